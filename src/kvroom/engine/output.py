@@ -1,0 +1,52 @@
+"""The scheduler -> model runner contract: what to compute in one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvroom.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of an engine step.
+
+    Token layout of a sequence (``p`` = position)::
+
+        p:  0 ........ start_pos-1 | start_pos ... start_pos+len(token_ids)-1 | ...
+            KV already in the pool | computed this step (KV written here)      | not yet
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    """Tokens to run this step: a prompt chunk, or the single last token when decoding."""
+    start_pos: int
+    """Position of ``token_ids[0]``; equals the number of tokens whose KV is already cached."""
+    block_table: tuple[int, ...]
+    """Physical block ids of the full-attention pool; position p lives in block p // block_size."""
+    sliding_slot: int | None
+    """Index of this sequence's fixed sliding-window slot (hybrid models), else None."""
+    needs_sample: bool
+    """This step reaches the sequence's last known token, so a next token is sampled."""
+    sampling: SamplingParams
+    """How to sample; ``sampling.seed`` seeds a per-sequence generator kept by the runner."""
+    num_generated: int = 0
+    """Tokens generated so far (a recomputed preempted sequence keeps its count)."""
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the runner computes in one step, and what the scheduler did to get there."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    """Sequences to run, decodes first, then prefill chunks."""
+    preempted_seq_ids: tuple[int, ...] = field(default=())
+    """Sequences whose blocks were freed this step; they are recomputed later."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs

@@ -1,0 +1,97 @@
+"""Byte sizes and dtype widths: parsing, formatting and ceil-division. No torch here."""
+
+from __future__ import annotations
+
+import re
+
+from kvroom.errors import ConfigError
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+"""Width of each supported dtype, by its torch name."""
+
+DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division of non-negative ints."""
+    return -(-a // b)
+
+
+def parse_bytes(value: int | str, field: str = "value") -> int:
+    """Parse ``2147483648``, ``"2GiB"``, ``"1.5 GB"`` or ``"512M"`` (binary) into bytes.
+
+    Raises:
+        ConfigError: the value is negative, a bool, or not a recognised size string.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{field}: expected bytes as an int or a string like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{field}: must be >= 0 bytes, got {value}")
+        return value
+    match = _BYTES_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"{field}: cannot parse {value!r} as a byte size (examples: 2147483648, '2GiB', '512MB')"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """``1536 * 2**20`` -> ``'1.50 GiB'``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def mib(num_bytes: int | float) -> str:
+    """Bytes as MiB with one decimal, the unit of the KV summary line."""
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def normalize_dtype(value: str, field: str = "dtype") -> str:
+    """Map ``"bf16"``/``"torch.bfloat16"``/``"bfloat16"`` to the canonical torch name."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{field}: expected a dtype name, got {value!r}")
+    name = value.strip().lower().removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"{field}: unknown dtype {value!r}; supported: {', '.join(DTYPE_BYTES)}")
+    return name
