@@ -57,7 +57,9 @@ def parse_bytes(value: int | str, field: str = "value") -> int:
         ConfigError: the value is negative, a bool, or not a recognised size string.
     """
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(f"{field}: expected bytes as an int or a string like '2GiB', got {value!r}")
+        raise ConfigError(
+            f"{field}: expected bytes as an int or a string like '2GiB', got {value!r}"
+        )
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{field}: must be >= 0 bytes, got {value}")
@@ -66,7 +68,7 @@ def parse_bytes(value: int | str, field: str = "value") -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ConfigError(
-            f"{field}: cannot parse {value!r} as a byte size (examples: 2147483648, '2GiB', '512MB')"
+            f"{field}: cannot parse {value!r} as a byte size (e.g. 2147483648, '2GiB', '512MB')"
         )
     return int(float(match.group(1)) * _UNITS[unit])
 

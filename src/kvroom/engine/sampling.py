@@ -1,4 +1,4 @@
-"""Sampling parameters (validated, torch-free). The sampler itself lives in ``engine/sampler.py``."""
+"""Sampling parameters, validated and torch-free; the sampler lives in ``engine/sampler.py``."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ class SamplingParams:
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, ">= 0 or -1")
-        _check(_is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens", self.max_tokens, "> 0")
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens", self.max_tokens, "> 0"
+        )
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an int")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty str")
 

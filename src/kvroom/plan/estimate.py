@@ -1,0 +1,249 @@
+"""Fit the KV pool into a memory budget, and the ``MemoryPlan`` that records every figure.
+
+Budget, all per rank::
+
+    usable    = device_memory x kvcache_memory_fraction - kvcache_reserve_memory
+    kv_budget = usable - weights - runtime (measured if known, else the formula) - sliding_window
+    fit       = floor(kv_budget / kv_bytes_per_block)            (exact: integer division)
+    estimate  = min(num_full_blocks, fit)
+
+``fit`` may be below ``num_min_blocks``; deciding that this is an error is the policy's job
+(``kvroom.adjust``), so a plan can still be printed for a budget that does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvroom.config import DecoderOnlyConfig
+from kvroom.device import DeviceMemory
+from kvroom.model_spec import ModelSpec
+from kvroom.plan.buffers import runtime_buffer_bytes
+from kvroom.plan.kv import kv_bytes_per_block, sliding_window_bytes
+from kvroom.plan.weights import weight_bytes
+from kvroom.units import format_bytes, mib
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every figure behind a KV pool size. Bytes are per rank."""
+
+    device: str
+    device_memory_bytes: int
+    device_memory_source: str
+    kvcache_memory_fraction: float
+    kvcache_reserve_bytes: int
+    weight_bytes: int
+    runtime_buffer_bytes: int
+    """The formula of ``kvroom.plan.buffers``."""
+    measured_runtime_bytes: int | None
+    """Non-KV runtime memory measured by a profiling pass; used instead of the formula when set."""
+    sliding_window_bytes: int
+    kv_bytes_per_block: int
+    kvcache_block_size: int
+    max_seq_len: int
+    batch_size: int
+    kv_dtype: str
+    tensor_parallel_size: int
+    num_min_blocks: int
+    num_full_blocks: int
+    num_fit_blocks: int
+    """Blocks the budget holds, uncapped; negative budgets give 0."""
+    estimated_num_blocks: int
+    """min(num_full_blocks, num_fit_blocks)."""
+    num_blocks: int
+    """The pool size chosen (estimate, adjuster, manual value, or a later set/override)."""
+    num_blocks_source: str
+    """estimate | adjuster | manual | set | auto | override."""
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.device_memory_bytes * self.kvcache_memory_fraction) - (
+            self.kvcache_reserve_bytes
+        )
+
+    @property
+    def runtime_bytes(self) -> int:
+        """Runtime memory the fit subtracts: measured when known, else the formula."""
+        if self.measured_runtime_bytes is not None:
+            return self.measured_runtime_bytes
+        return self.runtime_buffer_bytes
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return (
+            self.usable_bytes - self.weight_bytes - self.runtime_bytes - self.sliding_window_bytes
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.kvcache_block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the whole KV allocation: the block pool plus the sliding-window slots."""
+        return self.num_blocks * self.kv_bytes_per_block + self.sliding_window_bytes
+
+    @property
+    def max_concurrency(self) -> int:
+        """Full-length sequences the pool holds at once (also bounded by batch_size)."""
+        return min(self.batch_size, self.num_blocks // self.num_min_blocks)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.runtime_bytes + self.kv_bytes
+
+    # -- changes ------------------------------------------------------------------------------
+    def with_num_blocks(self, num_blocks: int, source: str) -> MemoryPlan:
+        return dataclasses.replace(self, num_blocks=num_blocks, num_blocks_source=source)
+
+    def refit(
+        self,
+        memory: DeviceMemory,
+        *,
+        kvcache_memory_fraction: float,
+        kvcache_reserve_bytes: int,
+        device: str | None = None,
+    ) -> MemoryPlan:
+        """The same model needs fitted to another budget; the result is an estimate again."""
+        plan = dataclasses.replace(
+            self,
+            device=device or self.device,
+            device_memory_bytes=memory.available_bytes,
+            device_memory_source=memory.source,
+            kvcache_memory_fraction=kvcache_memory_fraction,
+            kvcache_reserve_bytes=kvcache_reserve_bytes,
+        )
+        fit = (
+            max(plan.kv_budget_bytes, 0) // plan.kv_bytes_per_block
+            if plan.kv_bytes_per_block
+            else (plan.num_full_blocks if plan.kv_budget_bytes >= 0 else 0)
+        )
+        estimate = min(plan.num_full_blocks, fit)
+        return dataclasses.replace(
+            plan,
+            num_fit_blocks=fit,
+            estimated_num_blocks=estimate,
+            num_blocks=estimate,
+            num_blocks_source="estimate",
+        )
+
+    def with_measured_runtime(self, measured_bytes: int) -> MemoryPlan:
+        """Re-fit with a measured runtime figure in place of the formula."""
+        plan = dataclasses.replace(self, measured_runtime_bytes=measured_bytes)
+        return plan.refit(
+            DeviceMemory(self.device_memory_bytes, self.device_memory_source),
+            kvcache_memory_fraction=self.kvcache_memory_fraction,
+            kvcache_reserve_bytes=self.kvcache_reserve_bytes,
+        )
+
+    # -- output -------------------------------------------------------------------------------
+    def summary_line(self, *, pin_hint: bool = False) -> str:
+        """``KV cache: N blocks x B tokens = T tokens (X MiB); max concurrency at max_seq_len: K``
+        (with ``pin_hint``: ``; pin with --kvcache-num-blocks N``)."""
+        line = (
+            f"KV cache: {self.num_blocks} blocks x {self.kvcache_block_size} tokens = "
+            f"{self.num_tokens} tokens ({mib(self.kv_bytes)}); "
+            f"max concurrency at max_seq_len: {self.max_concurrency}"
+        )
+        return f"{line}; pin with --kvcache-num-blocks {self.num_blocks}" if pin_hint else line
+
+    def render_table(self) -> str:
+        """The breakdown, one figure per line, as printed by ``kvroom plan``."""
+        fraction = self.kvcache_memory_fraction
+        measured = self.measured_runtime_bytes
+        rows = [
+            (
+                f"device memory ({self.device}, {self.device_memory_source})",
+                format_bytes(self.device_memory_bytes),
+            ),
+            (
+                f"x kvcache_memory_fraction {fraction:g}",
+                format_bytes(int(self.device_memory_bytes * fraction)),
+            ),
+            ("- kvcache_reserve_memory", format_bytes(self.kvcache_reserve_bytes)),
+            ("= usable", format_bytes(self.usable_bytes)),
+            ("- weights", format_bytes(self.weight_bytes)),
+            ("- runtime buffers (formula)", format_bytes(self.runtime_buffer_bytes)),
+            ("- runtime buffers (measured)", "-" if measured is None else format_bytes(measured)),
+            ("- sliding-window KV (fixed)", format_bytes(self.sliding_window_bytes)),
+            ("= KV budget", format_bytes(self.kv_budget_bytes)),
+            (
+                f"/ bytes per block ({self.kvcache_block_size} tokens, {self.kv_dtype})",
+                format_bytes(self.kv_bytes_per_block),
+            ),
+            ("= blocks that fit", str(self.num_fit_blocks)),
+            (f"blocks for one full sequence ({self.max_seq_len} tokens)", str(self.num_min_blocks)),
+            (f"blocks for batch_size={self.batch_size} full sequences", str(self.num_full_blocks)),
+            ("estimated kvcache_num_blocks", str(self.estimated_num_blocks)),
+            (f"chosen kvcache_num_blocks ({self.num_blocks_source})", str(self.num_blocks)),
+            ("KV pool", f"{self.num_tokens} tokens, {format_bytes(self.kv_bytes)}"),
+            ("max concurrency at max_seq_len", str(self.max_concurrency)),
+        ]
+        width = max(len(label) for label, _ in rows)
+        return "\n".join(f"{label:<{width}}  {value:>14}" for label, value in rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
+        return cls(**data)
+
+
+def compute_plan(
+    spec: ModelSpec,
+    cfg: DecoderOnlyConfig,
+    *,
+    num_parameters: int,
+    memory: DeviceMemory,
+    measured_runtime_bytes: int | None = None,
+) -> MemoryPlan:
+    """The plan for ``spec`` under ``cfg`` in ``memory``, its pool set to the estimate.
+
+    Pure: no device probe, no file access. ``cfg.kvcache_num_blocks`` and the adjuster are
+    applied afterwards by ``kvroom.adjust.resolve_num_blocks``.
+    """
+    assert cfg.kv_dtype is not None  # normalised by DecoderOnlyConfig
+    shape = dict(
+        max_seq_len=cfg.max_seq_len,
+        kv_dtype=cfg.kv_dtype,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )
+    needs = MemoryPlan(
+        device=cfg.device,
+        device_memory_bytes=memory.available_bytes,
+        device_memory_source=memory.source,
+        kvcache_memory_fraction=cfg.kvcache_memory_fraction,
+        kvcache_reserve_bytes=int(cfg.kvcache_reserve_memory),
+        weight_bytes=weight_bytes(num_parameters, cfg.dtype, cfg.tensor_parallel_size),
+        runtime_buffer_bytes=runtime_buffer_bytes(
+            spec,
+            batch_size=cfg.batch_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            dtype=cfg.dtype,
+            **shape,
+        ),
+        measured_runtime_bytes=measured_runtime_bytes,
+        sliding_window_bytes=sliding_window_bytes(spec, batch_size=cfg.batch_size, **shape),
+        kv_bytes_per_block=kv_bytes_per_block(spec, block_size=cfg.kvcache_block_size, **shape),
+        kvcache_block_size=cfg.kvcache_block_size,
+        max_seq_len=cfg.max_seq_len,
+        batch_size=cfg.batch_size,
+        kv_dtype=cfg.kv_dtype,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        num_min_blocks=cfg.num_min_blocks,
+        num_full_blocks=cfg.num_full_blocks,
+        num_fit_blocks=0,
+        estimated_num_blocks=0,
+        num_blocks=0,
+        num_blocks_source="estimate",
+    )
+    return needs.refit(
+        memory,
+        kvcache_memory_fraction=cfg.kvcache_memory_fraction,
+        kvcache_reserve_bytes=int(cfg.kvcache_reserve_memory),
+    )
