@@ -1,0 +1,3 @@
+from kvroom.cli import main
+
+raise SystemExit(main())

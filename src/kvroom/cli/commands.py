@@ -1,0 +1,94 @@
+"""The sub-commands, each a thin function over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvroom.cli.options import add_config_flags, config_overrides
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    parser = parser_class(
+        prog="kvroom",
+        description="Prepare decoder-only LLMs with a paged KV cache fitted to the memory at hand.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
+
+    p = sub.add_parser("plan", help="print the memory plan of a model, writing nothing")
+    p.add_argument("model", help="HF folder, .gguf file, or built-in name (smollm2-135m)")
+    add_config_flags(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("compile", help="build an artifact folder from a model")
+    p.add_argument("model", help="HF folder, .gguf file, or built-in name (smollm2-135m)")
+    p.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    add_config_flags(p)
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("get", help="print an artifact's kvcache_num_blocks")
+    p.add_argument("artifact")
+    p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("set", help="resize an artifact's KV pool in place (N or auto)")
+    p.add_argument("artifact")
+    p.add_argument("num_blocks", help="number of blocks, or 'auto' to re-estimate for here")
+    p.add_argument("--device-memory", default=None, help="plan 'auto' for this much memory")
+    p.set_defaults(func=cmd_set)
+
+    from kvroom.cli.runtime_commands import add_runtime_commands
+
+    add_runtime_commands(sub)
+    return parser
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvroom.compile import plan_model
+
+    planned = plan_model(args.model, config_overrides(args))
+    plan = planned.plan
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print(
+        f"model: {args.model} ({planned.spec.architecture}, "
+        f"{planned.source.num_parameters:,} parameters)"
+    )
+    print(plan.render_table())
+    print(
+        f"{plan.num_blocks} blocks x {plan.kvcache_block_size} tokens = {plan.num_tokens} tokens"
+        f" = {plan.max_concurrency} full-length sequences"
+    )
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from kvroom.compile import compile
+
+    info = compile(args.model, args.output, config_overrides(args), overwrite=args.overwrite)
+    print(f"wrote {args.output}: {info.plan.summary_line()}")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    from kvroom.artifact.layout import read_info
+
+    info = read_info(args.artifact)
+    if args.json:
+        print(json.dumps(info.plan.to_dict(), indent=2))
+    else:
+        print(info.num_blocks)
+    return 0
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    from kvroom.artifact.resize import set_kvcache_num_blocks
+
+    plan = set_kvcache_num_blocks(args.artifact, args.num_blocks, device_memory=args.device_memory)
+    print(plan.num_blocks)
+    sys.stderr.write(f"kvroom: {args.artifact}: {plan.summary_line()}\n")
+    return 0

@@ -1,0 +1,80 @@
+"""CLI flags generated from ``DecoderOnlyConfig`` fields (kebab-case), help from their docstrings,
+so the flags and the config cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+from typing import Any
+
+from kvroom.config import DecoderOnlyConfig
+
+INT_FIELDS = {
+    "max_seq_len",
+    "batch_size",
+    "kvcache_block_size",
+    "max_num_batched_tokens",
+    "tensor_parallel_size",
+    "kvcache_num_blocks",
+}
+FLOAT_FIELDS = {"kvcache_memory_fraction"}
+RUNTIME_FIELDS = (
+    "kvcache_num_blocks",
+    "device_memory",
+    "kvcache_reserve_memory",
+    "kvcache_memory_fraction",
+)
+"""Fields that ``run``/``serve`` may override at start-up without rebuilding."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal right after each field) of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        is_field = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        if is_field and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per saveable config field (or only those named); default None = config default."""
+    docs = field_docs(DecoderOnlyConfig)
+    excluded = DecoderOnlyConfig.non_save_attributes()
+    for f in dataclasses.fields(DecoderOnlyConfig):
+        if f.name in excluded or (only is not None and f.name not in only):
+            continue
+        kind = _int if f.name in INT_FIELDS else _float if f.name in FLOAT_FIELDS else str
+        default = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(
+            flag(f.name), dest=f.name, type=kind, default=None, help=docs.get(f.name, "") + default
+        )
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields given on the command line."""
+    names = {f.name for f in dataclasses.fields(DecoderOnlyConfig)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}

@@ -1,0 +1,96 @@
+"""Build an artifact: source -> ModelSpec -> memory plan -> num-blocks policy -> files.
+
+The device is probed before any weight is loaded, so the plan sees the memory a fresh
+process would have.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvroom.adjust import resolve_num_blocks
+from kvroom.artifact.layout import ArtifactInfo
+from kvroom.config import DecoderOnlyConfig
+from kvroom.device import resolve_device_memory
+from kvroom.model_spec import ModelSpec
+from kvroom.plan import MemoryPlan, compute_plan
+from kvroom.sources import ModelSource, resolve_source
+
+logger = logging.getLogger("kvroom")
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """A resolved source with its spec and its chosen plan (no weights loaded yet)."""
+
+    source: ModelSource
+    spec: ModelSpec
+    config: DecoderOnlyConfig
+    plan: MemoryPlan
+
+    def info(self, folder: Path) -> ArtifactInfo:
+        model = {
+            "architecture": self.spec.architecture,
+            "num_parameters": self.source.num_parameters,
+            "source": self.source.name,
+        }
+        return ArtifactInfo(folder, self.config, self.plan, model).with_plan(self.plan)
+
+
+def as_config(config: DecoderOnlyConfig | Mapping[str, Any] | None) -> DecoderOnlyConfig:
+    if isinstance(config, DecoderOnlyConfig):
+        return config
+    return DecoderOnlyConfig(**dict(config or {}))
+
+
+def plan_model(
+    model: str | Path, config: DecoderOnlyConfig | Mapping[str, Any] | None = None
+) -> PlannedModel:
+    """Resolve ``model``, fit the KV pool and apply the policy (manual value or adjuster).
+
+    Raises:
+        ModelSourceError, ConfigError, MemoryNotEnoughError, AdjusterError.
+    """
+    cfg = as_config(config)
+    memory = resolve_device_memory(cfg.device, cfg.device_memory)
+    source = resolve_source(model)
+    spec = ModelSpec.from_hf_config(source.hf_config)
+    plan = compute_plan(spec, cfg, num_parameters=source.num_parameters, memory=memory)
+    plan = resolve_num_blocks(plan, cfg)
+    logger.info(plan.summary_line(pin_hint=True))
+    return PlannedModel(source, spec, cfg, plan)
+
+
+def load_hf_model(planned: PlannedModel) -> tuple[Any, Any]:
+    """The source's transformers model (in the artifact dtype) and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvroom.artifact.writer import torch_dtype
+
+    src = planned.source
+    tokenizer = AutoTokenizer.from_pretrained(str(src.folder), **src.hf_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.folder), dtype=torch_dtype(planned.config.dtype), **src.hf_kwargs
+    )
+    return model, tokenizer
+
+
+def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
+    model: str | Path,
+    out: str | Path,
+    config: DecoderOnlyConfig | Mapping[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+) -> ArtifactInfo:
+    """Plan ``model`` and write the artifact to ``out``. Returns what kvroom_config.json holds."""
+    from kvroom.artifact.writer import write_artifact
+
+    planned = plan_model(model, config)
+    hf_model, tokenizer = load_hf_model(planned)
+    info = planned.info(Path(out))
+    write_artifact(Path(out), model=hf_model, tokenizer=tokenizer, info=info, overwrite=overwrite)
+    return info
