@@ -1,7 +1,8 @@
-"""Build an artifact: source -> ModelSpec -> memory plan -> num-blocks policy -> files.
+"""Build an artifact: source -> ModelSpec -> memory plan -> profiling -> policy -> files.
 
 The device is probed before any weight is loaded, so the plan sees the memory a fresh
-process would have.
+process would have. The num-blocks policy (manual value or adjuster) runs once, on the plan
+that uses the measured runtime memory when the profiling pass ran.
 """
 
 from __future__ import annotations
@@ -25,20 +26,21 @@ logger = logging.getLogger("kvroom")
 
 @dataclass(frozen=True)
 class PlannedModel:
-    """A resolved source with its spec and its chosen plan (no weights loaded yet)."""
+    """A resolved source with its spec and a plan (no weights loaded yet)."""
 
     source: ModelSource
     spec: ModelSpec
     config: DecoderOnlyConfig
     plan: MemoryPlan
 
-    def info(self, folder: Path) -> ArtifactInfo:
+    def info(self, folder: Path, plan: MemoryPlan | None = None) -> ArtifactInfo:
         model = {
             "architecture": self.spec.architecture,
             "num_parameters": self.source.num_parameters,
             "source": self.source.name,
         }
-        return ArtifactInfo(folder, self.config, self.plan, model).with_plan(self.plan)
+        plan = plan or self.plan
+        return ArtifactInfo(folder, self.config, plan, model).with_plan(plan)
 
 
 def as_config(config: DecoderOnlyConfig | Mapping[str, Any] | None) -> DecoderOnlyConfig:
@@ -48,9 +50,14 @@ def as_config(config: DecoderOnlyConfig | Mapping[str, Any] | None) -> DecoderOn
 
 
 def plan_model(
-    model: str | Path, config: DecoderOnlyConfig | Mapping[str, Any] | None = None
+    model: str | Path,
+    config: DecoderOnlyConfig | Mapping[str, Any] | None = None,
+    *,
+    apply_policy: bool = True,
 ) -> PlannedModel:
-    """Resolve ``model``, fit the KV pool and apply the policy (manual value or adjuster).
+    """Resolve ``model`` and fit the KV pool (runtime memory from the formula).
+
+    With ``apply_policy``, the manual value or the adjuster is applied and the outcome logged.
 
     Raises:
         ModelSourceError, ConfigError, MemoryNotEnoughError, AdjusterError.
@@ -60,8 +67,9 @@ def plan_model(
     source = resolve_source(model)
     spec = ModelSpec.from_hf_config(source.hf_config)
     plan = compute_plan(spec, cfg, num_parameters=source.num_parameters, memory=memory)
-    plan = resolve_num_blocks(plan, cfg)
-    logger.info(plan.summary_line(pin_hint=True))
+    if apply_policy:
+        plan = resolve_num_blocks(plan, cfg)
+        logger.info(plan.summary_line(pin_hint=True))
     return PlannedModel(source, spec, cfg, plan)
 
 
@@ -85,12 +93,34 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
     config: DecoderOnlyConfig | Mapping[str, Any] | None = None,
     *,
     overwrite: bool = False,
+    profile: bool = True,
 ) -> ArtifactInfo:
-    """Plan ``model`` and write the artifact to ``out``. Returns what kvroom_config.json holds."""
+    """Plan ``model``, write the artifact to ``out``, profile it, and record the chosen pool.
+
+    Args:
+        profile: run the profiling pass (``kvroom.profiling``) and fit with its measured
+            runtime memory instead of the formula.
+    """
     from kvroom.artifact.writer import write_artifact
 
-    planned = plan_model(model, config)
+    planned = plan_model(model, config, apply_policy=False)
     hf_model, tokenizer = load_hf_model(planned)
-    info = planned.info(Path(out))
-    write_artifact(Path(out), model=hf_model, tokenizer=tokenizer, info=info, overwrite=overwrite)
-    return info
+
+    def finalize(folder: Path) -> ArtifactInfo:
+        plan = planned.plan
+        if profile:
+            from kvroom.profiling import measure_runtime_bytes
+
+            plan = plan.with_measured_runtime(measure_runtime_bytes(folder))
+        plan = resolve_num_blocks(plan, planned.config)
+        logger.info(plan.summary_line(pin_hint=True))
+        return planned.info(folder, plan)
+
+    return write_artifact(
+        Path(out),
+        model=hf_model,
+        tokenizer=tokenizer,
+        info=planned.info(Path(out)),
+        overwrite=overwrite,
+        finalize=finalize,
+    )

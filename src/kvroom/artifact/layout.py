@@ -85,7 +85,7 @@ def read_info(folder: str | Path) -> ArtifactInfo:
     path = config_path(Path(folder))
     doc = _load_json(Path(folder), path)
     version = doc.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ArtifactError(f"{path}: corrupted: format_version is {version!r}")
     if version > FORMAT_VERSION:
         raise ArtifactError(
@@ -95,6 +95,9 @@ def read_info(folder: str | Path) -> ArtifactInfo:
     missing = [k for k in _REQUIRED_KEYS if k not in doc]
     if missing:
         raise ArtifactError(f"{path}: corrupted: missing {', '.join(missing)}")
+    not_objects = [k for k in ("config", "plan", "model") if not isinstance(doc[k], dict)]
+    if not_objects:
+        raise ArtifactError(f"{path}: corrupted: {', '.join(not_objects)} must be JSON objects")
     try:
         config = DecoderOnlyConfig.from_dict(doc["config"])
         plan = MemoryPlan.from_dict(doc["plan"])

@@ -33,6 +33,7 @@ def set_kvcache_num_blocks(
     Under the artifact's lock: read, re-validate, replace kvroom_config.json. Weights are not
     touched. Returns the new plan.
     """
+    read_info(path)  # a missing or non-artifact folder fails here, before a lock file is made
     with locked(config_path(Path(path))):
         info = read_info(path)
         plan = replan(info, num_blocks, source="set", device_memory=device_memory)

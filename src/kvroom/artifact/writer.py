@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,24 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def write_artifact(
-    out: Path, *, model: Any, tokenizer: Any, info: ArtifactInfo, overwrite: bool = False
-) -> Path:
+    out: Path,
+    *,
+    model: Any,
+    tokenizer: Any,
+    info: ArtifactInfo,
+    overwrite: bool = False,
+    finalize: Callable[[Path], ArtifactInfo] | None = None,
+) -> ArtifactInfo:
     """Write ``model`` (a transformers PreTrainedModel), ``tokenizer`` and ``info`` to ``out``.
+
+    ``finalize(tmp_folder)``, if given, runs on the complete temp folder before it is renamed
+    into place (compile's profiling pass) and returns the info to write instead.
 
     Raises:
         ArtifactError: ``out`` exists and is not empty, and ``overwrite`` is False.
     """
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ArtifactError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
+    check_output_folder(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -46,6 +55,9 @@ def write_artifact(
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_info(_moved(info, tmp))
+        if finalize is not None:
+            info = finalize(tmp)
+            write_info(_moved(info, tmp))
         _chmod_like_mkdir(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -53,7 +65,19 @@ def write_artifact(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    return _moved(info, out)
+
+
+def check_output_folder(out: Path, *, overwrite: bool) -> None:
+    """Fail early (before any weight is loaded) when ``out`` cannot receive an artifact.
+
+    Raises:
+        ArtifactError: ``out`` is a file, or a non-empty folder and ``overwrite`` is False.
+    """
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out}: exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ArtifactError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
 
 
 def _chmod_like_mkdir(folder: Path) -> None:

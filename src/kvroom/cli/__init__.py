@@ -25,10 +25,15 @@ def normalize_argv(argv: list[str]) -> list[str]:
     if argv and argv[0] in UPSTREAM_SPELLINGS:
         command = UPSTREAM_SPELLINGS[argv[0]]
         rest = argv[1:]
-        if command == "set" and len(rest) >= 2 and not rest[0].startswith("-"):
+        if command == "set" and len(rest) >= 2 and not _is_flag(rest[0]):
             rest = [rest[1], rest[0], *rest[2:]]
         return [command, *rest]
     return argv
+
+
+def _is_flag(arg: str) -> bool:
+    """``--device-memory`` or ``-h`` is a flag; ``-3`` is a (bad) block count, not a flag."""
+    return arg.startswith("-") and not arg[1:].isdigit()
 
 
 def main(argv: list[str] | None = None) -> int:

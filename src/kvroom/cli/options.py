@@ -60,14 +60,21 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """One flag per saveable config field (or only those named); default None = config default."""
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    only: tuple[str, ...] | None = None,
+    types: dict[str, Any] | None = None,
+) -> None:
+    """One flag per saveable config field (or only those named); default None = config default.
+
+    ``types`` overrides a field's parser (``run`` takes ``--kvcache-num-blocks N|auto``)."""
     docs = field_docs(DecoderOnlyConfig)
     excluded = DecoderOnlyConfig.non_save_attributes()
     for f in dataclasses.fields(DecoderOnlyConfig):
         if f.name in excluded or (only is not None and f.name not in only):
             continue
         kind = _int if f.name in INT_FIELDS else _float if f.name in FLOAT_FIELDS else str
+        kind = (types or {}).get(f.name, kind)
         default = "" if f.default is None else f" (default: {f.default})"
         parser.add_argument(
             flag(f.name), dest=f.name, type=kind, default=None, help=docs.get(f.name, "") + default

@@ -1,9 +1,75 @@
-"""Sub-commands that run an artifact (added once the runtime exists)."""
+"""Sub-commands that run an artifact: ``run`` (and the server and benchmark commands)."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Any
+
+from kvroom.cli.options import RUNTIME_FIELDS, add_config_flags, config_overrides
+
+
+def add_startup_flags(parser: argparse.ArgumentParser) -> None:
+    """The start-up override: resize the pool for this start without touching the artifact."""
+    add_config_flags(parser, only=RUNTIME_FIELDS, types={"kvcache_num_blocks": str})
+    parser.add_argument("--device", default=None, help="run on this device instead (cpu, cuda)")
+
+
+def startup_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = config_overrides(args)
+    if getattr(args, "device", None):
+        overrides["device"] = args.device
+    return overrides
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
 
 
 def add_runtime_commands(sub: Any) -> None:
-    return None
+    p = sub.add_parser("run", help="generate text from an artifact, streamed to stdout")
+    p.add_argument("artifact")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    add_sampling_flags(p)
+    add_startup_flags(p)
+    p.set_defaults(func=cmd_run)
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from kvroom.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvroom.llm import LLM
+
+    params = sampling_params(args)
+    llm = LLM(args.artifact, **startup_overrides(args))
+    use_chat = not args.no_chat_template and getattr(llm.tokenizer, "chat_template", None)
+    prompt: Any = args.prompt
+    if use_chat:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    printed = 0
+    for out in llm.stream(prompt, params):
+        text = out.text or ""
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+    sys.stdout.write("\n")
+    return 0

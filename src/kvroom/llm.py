@@ -1,0 +1,188 @@
+"""``LLM``: the offline batch API over an artifact (vLLM's ``LLM`` shape).
+
+llm = LLM("artifacts/smollm2-135m", kvcache_num_blocks="auto")
+outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+outs[0].text, outs[0].token_ids
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvroom.artifact.layout import read_info
+from kvroom.artifact.resize import replan
+from kvroom.engine.engine import RequestOutput
+from kvroom.engine.sampling import SamplingParams
+from kvroom.errors import ConfigError
+from kvroom.runtime import Runtime, build_runtime
+
+logger = logging.getLogger("kvroom")
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One finished request, in the order of the prompts given."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    """Generated tokens (stop token kept, stop string's tokens kept, text cut before it)."""
+    text: str
+    finish_reason: str | None
+
+
+class LLM:
+    """Load an artifact and generate for many prompts at once (continuous batching)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        kvcache_num_blocks: int | str | None = None,
+        device_memory: int | str | None = None,
+        kvcache_reserve_memory: int | str | None = None,
+        kvcache_memory_fraction: float | None = None,
+        kvcache_num_blocks_adjuster: Callable[..., int] | None = None,
+        device: str | None = None,
+    ) -> None:
+        """
+        Args:
+            path: an artifact folder written by ``kvroom compile``.
+            kvcache_num_blocks: start-up override of the pool: an int (validated like
+                ``kvroom set``) or ``"auto"`` (re-estimated here); the artifact is not changed.
+            device_memory, kvcache_reserve_memory, kvcache_memory_fraction: re-fit the pool
+                for this start with another budget (implies ``auto`` unless an int is given).
+            kvcache_num_blocks_adjuster: ignored (the estimate does not run at load), noted once.
+            device: run on another device than the one planned for.
+        """
+        from transformers import AutoTokenizer
+
+        if kvcache_num_blocks_adjuster is not None:
+            logger.warning(
+                "kvcache_num_blocks_adjuster is ignored when loading an artifact: the estimate "
+                "ran at build time; pass kvcache_num_blocks=N or 'auto' to resize at start-up"
+            )
+        info = read_info(path)
+        plan = replan(
+            info,
+            kvcache_num_blocks,
+            source="override",
+            device_memory=device_memory,
+            kvcache_reserve_memory=kvcache_reserve_memory,
+            kvcache_memory_fraction=kvcache_memory_fraction,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
+        self.runtime: Runtime = build_runtime(info, plan, device=device, tokenizer=tokenizer)
+        self.tokenizer = tokenizer
+
+    @property
+    def engine(self) -> Any:
+        return self.runtime.engine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text, or a list of token ids); results in prompt order.
+
+        Raises:
+            AdmissionError: a prompt can never be served (too long, larger than the pool); no
+                request of this call is left running.
+        """
+        token_lists = [self._encode(p) for p in _as_prompt_list(prompts)]
+        return self._run(token_lists, sampling_params)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        token_lists = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self._run(token_lists, sampling_params)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.runtime.info.folder}: the tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield each step's output of one request (used by ``kvroom run``)."""
+        engine = self.runtime.engine
+        request_id = engine.add_request(self._encode(prompt), params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    yield out
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def _run(
+        self,
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[GenerationResult]:
+        params = _as_params_list(sampling_params, len(token_lists))
+        engine = self.runtime.engine
+        ids: list[str] = []
+        try:
+            for tokens, p in zip(token_lists, params, strict=True):
+                ids.append(engine.add_request(tokens, p))
+        except Exception:
+            for request_id in ids:
+                engine.abort(request_id)
+            while engine.has_unfinished():
+                engine.step()
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [
+            GenerationResult(
+                request_id=rid,
+                prompt_token_ids=tuple(tokens),
+                token_ids=finals[rid].output_token_ids,
+                text=finals[rid].text or "",
+                finish_reason=finals[rid].finish_reason,
+            )
+            for rid, tokens in zip(ids, token_lists, strict=True)
+        ]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    items = list(params)
+    if len(items) != n:
+        raise ConfigError(f"sampling_params: {len(items)} given for {n} prompts")
+    return items

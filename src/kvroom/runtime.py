@@ -1,0 +1,109 @@
+"""Assemble a running engine from an artifact: plan -> pool -> model -> runner -> scheduler.
+
+The pool is sized by the plan it is given (the artifact's, or a start-up override of it) and
+is allocated once, here; nothing else allocates KV memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
+from kvroom.engine.block_manager import BlockManager
+from kvroom.engine.engine import LLMEngine
+from kvroom.engine.kv_cache import KVCachePool
+from kvroom.engine.model_runner import ModelRunner, load_model
+from kvroom.engine.scheduler import Scheduler
+from kvroom.model_spec import ModelSpec
+from kvroom.plan import MemoryPlan
+
+logger = logging.getLogger("kvroom")
+
+
+@dataclass
+class Runtime:
+    """The pieces of a loaded artifact, kept together for the facades and the server."""
+
+    info: ArtifactInfo
+    plan: MemoryPlan
+    spec: ModelSpec
+    pool: KVCachePool
+    runner: ModelRunner
+    engine: LLMEngine
+    tokenizer: Any | None
+
+
+def read_spec(folder: Path) -> ModelSpec:
+    return ModelSpec.from_hf_config(json.loads((folder / HF_CONFIG).read_text()))
+
+
+def build_runtime(
+    info: ArtifactInfo,
+    plan: MemoryPlan,
+    *,
+    device: str | None = None,
+    tokenizer: Any | None = None,
+) -> Runtime:
+    """Load the weights, allocate exactly ``plan.num_blocks`` blocks, and wire the engine."""
+    import torch
+
+    cfg = info.config
+    device = device or cfg.device
+    spec = read_spec(info.folder)
+    kinds = spec.layer_kinds(cfg.max_seq_len)
+    num_slots = cfg.batch_size if "sliding" in kinds else 0
+    model = load_model(info.folder, dtype=getattr(torch, cfg.dtype), device=device)
+    pool = KVCachePool(
+        spec,
+        num_blocks=plan.num_blocks,
+        max_seq_len=cfg.max_seq_len,
+        block_size=cfg.kvcache_block_size,
+        num_sliding_slots=num_slots,
+        dtype=getattr(torch, cfg.kv_dtype or cfg.dtype),
+        device=device,
+    )
+    runner = ModelRunner(model, pool, spec, block_size=cfg.kvcache_block_size, device=device)
+    blocks = BlockManager(plan.num_blocks, cfg.kvcache_block_size, num_sliding_slots=num_slots)
+    scheduler = Scheduler(
+        blocks,
+        max_num_seqs=cfg.batch_size,
+        max_seq_len=cfg.max_seq_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+    )
+    engine = LLMEngine(
+        scheduler,
+        runner,
+        eos_token_ids=_eos_ids(info.folder, tokenizer),
+        detokenize=_detokenizer(tokenizer),
+    )
+    logger.info(plan.summary_line())
+    return Runtime(info, plan, spec, pool, runner, engine, tokenizer)
+
+
+def _eos_ids(folder: Path, tokenizer: Any | None) -> set[int]:
+    """EOS ids of generation_config.json (an int or a list), else config.json, else tokenizer."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", HF_CONFIG):
+        path = folder / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+                break
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _detokenizer(tokenizer: Any | None) -> Any | None:
+    if tokenizer is None:
+        return None
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return detokenize
