@@ -41,6 +41,16 @@ def add_runtime_commands(sub: Any) -> None:
     add_startup_flags(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("bench", help="throughput against HF transformers on the same artifact")
+    p.add_argument("artifact")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--single-stream-tokens", type=int, default=64)
+    p.add_argument("--peers", default="hf-padded,hf-batch", help="comma list; '' for none")
+    p.add_argument("--no-load-test", action="store_true", help="skip load-to-first-token")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.set_defaults(func=cmd_bench)
+
 
 def sampling_params(args: argparse.Namespace) -> Any:
     from kvroom.engine.sampling import SamplingParams
@@ -72,4 +82,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         printed = len(text)
     sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvroom.bench import dump, print_report, run_bench
+
+    results = run_bench(
+        args.artifact,
+        num_requests=args.num_requests,
+        new_tokens=args.new_tokens,
+        single_stream_tokens=args.single_stream_tokens,
+        peers=tuple(p for p in args.peers.split(",") if p),
+        load_test=not args.no_load_test,
+    )
+    print_report(results)
+    if args.json:
+        dump(results, args.json)
     return 0
