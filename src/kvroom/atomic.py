@@ -11,7 +11,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
+
+from kvroom.errors import ArtifactError
 
 PAUSE_ENV = "KVROOM_TEST_PAUSE_BEFORE_REPLACE"
 """Test hook: seconds to sleep between the fsynced temp file and ``os.replace``."""
@@ -19,9 +21,23 @@ PAUSE_ENV = "KVROOM_TEST_PAUSE_BEFORE_REPLACE"
 
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: float = 60.0) -> Iterator[None]:
-    """Hold the lock of ``path`` (``.<name>.lock`` beside it) for a read-modify-write."""
-    with FileLock(str(path.parent / f".{path.name}.lock"), timeout=timeout_s):
+    """Hold the lock of ``path`` (``.<name>.lock`` beside it) for a read-modify-write.
+
+    Raises:
+        ArtifactError: another process held the lock for ``timeout_s`` seconds.
+    """
+    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    try:
+        lock.acquire(timeout=timeout_s)
+    except Timeout:
+        raise ArtifactError(
+            f"{path}: locked by another process for {timeout_s:g} s (a concurrent kvroom set?); "
+            "try again"
+        ) from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

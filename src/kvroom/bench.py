@@ -170,7 +170,8 @@ def run_bench(
             lambda: bench_hf_padded(hf, llm.tokenizer, prompts, new_tokens)
         )
         rows.append(Measurement("HF generate (padded batch)", tokens, secs))
-        results["greedy_match_vs_hf_padded"] = sum(a == b for a, b in zip(kv_out, hf_out, strict=True))
+        same = sum(a == b for a, b in zip(kv_out, hf_out, strict=True))
+        results["greedy_match_vs_hf_padded"] = same
     if "hf-batch" in peers:
         tokens, secs = timed(lambda: bench_hf_batch(hf, llm.tokenizer, prompts, new_tokens))
         rows.append(Measurement("HF generate_batch (continuous)", tokens, secs))

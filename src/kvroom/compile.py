@@ -101,9 +101,10 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
         profile: run the profiling pass (``kvroom.profiling``) and fit with its measured
             runtime memory instead of the formula.
     """
-    from kvroom.artifact.writer import write_artifact
+    from kvroom.artifact.writer import check_output_folder, write_artifact
 
     planned = plan_model(model, config, apply_policy=False)
+    check_output_folder(Path(out), overwrite=overwrite)  # before the (slow) weight load
     hf_model, tokenizer = load_hf_model(planned)
 
     def finalize(folder: Path) -> ArtifactInfo:

@@ -77,8 +77,8 @@ class DecoderOnlyConfig:
         _require_positive_int("kvcache_num_blocks", n)
 
     def _validate_device(self) -> None:
-        kind, _, index = str(self.device).partition(":")
-        if kind not in DEVICES or (index and not index.isdigit()):
+        kind, sep, index = str(self.device).partition(":")
+        if kind not in DEVICES or (sep and not index.isdigit()):
             raise ConfigError(f"device: unknown device {self.device!r}; use cpu, cuda or cuda:N")
 
     def _normalize_memory_fields(self) -> None:

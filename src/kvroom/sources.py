@@ -85,8 +85,10 @@ def _from_folder(name: str, folder: Path) -> ModelSource:
         raise ModelSourceError(f"model {name!r}: {config_file} not found (not an HF model folder)")
     try:
         hf_config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelSourceError(f"model {name!r}: cannot read {config_file}: {exc}") from None
+    if not isinstance(hf_config, dict):
+        raise ModelSourceError(f"model {name!r}: {config_file} does not hold a JSON object")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"model {name!r}: no *.safetensors weights in {folder}")

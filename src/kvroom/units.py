@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from kvroom.errors import ConfigError
 
@@ -70,7 +71,7 @@ def parse_bytes(value: int | str, field: str = "value") -> int:
         raise ConfigError(
             f"{field}: cannot parse {value!r} as a byte size (e.g. 2147483648, '2GiB', '512MB')"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(Decimal(match.group(1)) * _UNITS[unit])  # exact: float gives 2.01GB - 1
 
 
 def format_bytes(num_bytes: int | float) -> str:

@@ -7,7 +7,7 @@ dtype bytes and ``k`` = KV dtype bytes, per rank (heads divided by tp)::
     activations = a x T x (4 x hidden + q_dim + 2 x kv_dim + 3 x intermediate)
                    residual, norm, attn out, mlp out | qkv | gate, up, act(gate) x up
     kv_gather   = k x S x L x 2 x kv_dim          (decode reads K/V of every running sequence)
-    scores      = 4 x heads x T x L               (fp32 attention scores of the largest chunk)
+    scores      = 4 x heads x min(T, L) x L       (fp32 attention scores of the largest chunk)
     logits      = 4 x S x vocab x 3               (fp32 logits, probabilities, sort buffer)
 
 ``runtime_buffer_bytes = activations + kv_gather + scores + logits``. Layers run one after the
