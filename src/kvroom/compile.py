@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvroom.adjust import resolve_num_blocks
+from kvroom.adjust import require_estimate_fits, resolve_num_blocks
 from kvroom.artifact.layout import ArtifactInfo
 from kvroom.config import DecoderOnlyConfig
 from kvroom.device import resolve_device_memory
@@ -105,6 +105,9 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
 
     planned = plan_model(model, config, apply_policy=False)
     check_output_folder(Path(out), overwrite=overwrite)  # before the (slow) weight load
+    if planned.config.kvcache_num_blocks is None:
+        # Fail before loading weights when no measurement could make one sequence fit.
+        require_estimate_fits(planned.plan.with_measured_runtime(0))
     hf_model, tokenizer = load_hf_model(planned)
 
     def finalize(folder: Path) -> ArtifactInfo:

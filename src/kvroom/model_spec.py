@@ -22,6 +22,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 """HF ``architectures`` name -> HF ``model_type`` of every architecture kvroom runs."""
 
+_REQUIRED_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "vocab_size",
+)
 _ARCH_BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
 LayerKind = Literal["full", "sliding"]
@@ -64,6 +71,9 @@ class ModelSpec:
             ModelSourceError: the architecture is not supported (the message lists those that are).
         """
         architecture = _architecture_of(cfg)
+        missing = [k for k in _REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ModelSourceError(f"config.json: missing {', '.join(missing)} ({architecture})")
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         num_layers = int(cfg["num_hidden_layers"])
         num_heads = int(cfg["num_attention_heads"])

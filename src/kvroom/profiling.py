@@ -87,7 +87,7 @@ def _profile(folder: Path) -> int:
         peak = int(torch.cuda.max_memory_allocated())
     else:
         peak = _peak_rss()
-    return max(peak - info.plan.weight_bytes - runtime.pool.nbytes, 0)
+    return max(peak - info.plan.weight_bytes - runtime.pool.nbytes(), 0)
 
 
 def _reset_peak_rss() -> None:

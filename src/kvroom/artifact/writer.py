@@ -81,10 +81,14 @@ def check_output_folder(out: Path, *, overwrite: bool) -> None:
 
 
 def _chmod_like_mkdir(folder: Path) -> None:
-    """mkdtemp makes 0o700; give the artifact the mode a plain mkdir would."""
+    """mkdtemp makes 0o700 (and safetensors writes 0o600): give the folder and its files the
+    modes a plain mkdir and open would, so other users of the machine can read the artifact."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def _moved(info: ArtifactInfo, folder: Path) -> ArtifactInfo:

@@ -4,7 +4,7 @@ Budget, all per rank::
 
     usable    = device_memory x kvcache_memory_fraction - kvcache_reserve_memory
     kv_budget = usable - weights - runtime (measured if known, else the formula) - sliding_window
-    fit       = floor(kv_budget / kv_bytes_per_block)            (exact: integer division)
+    fit       = floor(kv_budget / (kv_bytes_per_block / tp))     (exact: integer division)
     estimate  = min(num_full_blocks, fit)
 
 ``fit`` may be below ``num_min_blocks``; deciding that this is an error is the policy's job
@@ -41,7 +41,9 @@ class MemoryPlan:
     measured_runtime_bytes: int | None
     """Non-KV runtime memory measured by a profiling pass; used instead of the formula when set."""
     sliding_window_bytes: int
+    """Sliding-window KV over all ranks (``ceil(kv_heads/tp) x tp`` heads)."""
     kv_bytes_per_block: int
+    """One block over all ranks (``ceil(kv_heads/tp) x tp`` heads); a rank holds 1/tp of it."""
     kvcache_block_size: int
     max_seq_len: int
     batch_size: int
@@ -73,10 +75,18 @@ class MemoryPlan:
         return self.runtime_buffer_bytes
 
     @property
+    def kv_bytes_per_block_per_rank(self) -> int:
+        return self.kv_bytes_per_block // self.tensor_parallel_size
+
+    @property
+    def sliding_window_bytes_per_rank(self) -> int:
+        return self.sliding_window_bytes // self.tensor_parallel_size
+
+    @property
     def kv_budget_bytes(self) -> int:
-        return (
-            self.usable_bytes - self.weight_bytes - self.runtime_bytes - self.sliding_window_bytes
-        )
+        """Per rank: usable - weights - runtime - this rank's sliding-window slots."""
+        fixed = self.weight_bytes + self.runtime_bytes + self.sliding_window_bytes_per_rank
+        return self.usable_bytes - fixed
 
     @property
     def num_tokens(self) -> int:
@@ -84,8 +94,9 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the whole KV allocation: the block pool plus the sliding-window slots."""
-        return self.num_blocks * self.kv_bytes_per_block + self.sliding_window_bytes
+        """Bytes of one rank's KV allocation: its block pool plus its sliding-window slots."""
+        per_rank = self.num_blocks * self.kv_bytes_per_block_per_rank
+        return per_rank + self.sliding_window_bytes_per_rank
 
     @property
     def max_concurrency(self) -> int:
@@ -118,7 +129,7 @@ class MemoryPlan:
             kvcache_reserve_bytes=kvcache_reserve_bytes,
         )
         fit = (
-            max(plan.kv_budget_bytes, 0) // plan.kv_bytes_per_block
+            max(plan.kv_budget_bytes, 0) // plan.kv_bytes_per_block_per_rank
             if plan.kv_bytes_per_block
             else (plan.num_full_blocks if plan.kv_budget_bytes >= 0 else 0)
         )
@@ -169,11 +180,11 @@ class MemoryPlan:
             ("- weights", format_bytes(self.weight_bytes)),
             ("- runtime buffers (formula)", format_bytes(self.runtime_buffer_bytes)),
             ("- runtime buffers (measured)", "-" if measured is None else format_bytes(measured)),
-            ("- sliding-window KV (fixed)", format_bytes(self.sliding_window_bytes)),
+            ("- sliding-window KV (fixed)", format_bytes(self.sliding_window_bytes_per_rank)),
             ("= KV budget", format_bytes(self.kv_budget_bytes)),
             (
                 f"/ bytes per block ({self.kvcache_block_size} tokens, {self.kv_dtype})",
-                format_bytes(self.kv_bytes_per_block),
+                format_bytes(self.kv_bytes_per_block_per_rank),
             ),
             ("= blocks that fit", str(self.num_fit_blocks)),
             (f"blocks for one full sequence ({self.max_seq_len} tokens)", str(self.num_min_blocks)),
@@ -184,7 +195,10 @@ class MemoryPlan:
             ("max concurrency at max_seq_len", str(self.max_concurrency)),
         ]
         width = max(len(label) for label, _ in rows)
-        return "\n".join(f"{label:<{width}}  {value:>14}" for label, value in rows)
+        lines = [f"{label:<{width}}  {value:>14}" for label, value in rows]
+        if self.tensor_parallel_size > 1:
+            lines.insert(0, f"(bytes per rank of tensor_parallel_size={self.tensor_parallel_size})")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
