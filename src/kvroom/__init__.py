@@ -2,7 +2,8 @@
 
 Public API (imported lazily, so ``import kvroom`` stays light)::
 
-    DecoderOnlyConfig, MemoryPlan, plan, compile, get_kvcache_num_blocks, set_kvcache_num_blocks
+    DecoderOnlyConfig, MemoryPlan, plan_model, compile, get_kvcache_num_blocks,
+    set_kvcache_num_blocks, read_info, LLM, SamplingParams, KvroomModelForCausalLM
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ _EXPORTS = {
     "get_kvcache_num_blocks": "kvroom.artifact.resize",
     "set_kvcache_num_blocks": "kvroom.artifact.resize",
     "read_info": "kvroom.artifact.layout",
+    "LLM": "kvroom.llm",
+    "SamplingParams": "kvroom.engine.sampling",
+    "KvroomModelForCausalLM": "kvroom.modeling",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
