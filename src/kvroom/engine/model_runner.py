@@ -1,0 +1,139 @@
+"""Model runner: one ``SchedulerOutput`` in, one sampled token per sampling sequence out.
+
+``execute`` packs the step's tokens (single-token decodes first, then prefill chunks, whatever
+order the scheduler used), builds the ``AttentionMetadata`` once, runs one forward, computes
+logits only at the rows that sample, and samples. Nothing in the layer loop syncs with the
+host; the only sync is reading the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvroom.engine.kv_cache import KVCachePool
+from kvroom.engine.output import ScheduledSeq, SchedulerOutput
+from kvroom.engine.sampler import Sampler
+from kvroom.errors import ModelSourceError
+from kvroom.model_spec import ModelSpec
+from kvroom.models import build_model
+from kvroom.models.attention import SeqChunk, build_attention_metadata
+from kvroom.models.decoder import DecoderModel
+from kvroom.models.weights import load_weights
+
+
+class ModelRunner:
+    """Runs a loaded model over the KV pool for the scheduler's steps."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        pool: KVCachePool,
+        spec: ModelSpec,
+        *,
+        block_size: int,
+        device: torch.device | str,
+    ) -> None:
+        """Args:
+        model: a model built by ``load_model`` (weights on ``device``).
+        pool: the KV pool; its block size must be ``block_size``.
+        spec: the model's shapes.
+        block_size: tokens per block of the full-attention pool.
+        device: where the model and the pool live.
+        """
+        assert pool.block_size == block_size, "pool and runner disagree on block_size"
+        self.model = model
+        self.pool = pool
+        self.spec = spec
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler(self.device)
+
+    def execute(self, output: SchedulerOutput) -> dict[int, int]:
+        """Run one step.
+
+        Returns:
+            ``seq_id -> sampled token`` for every scheduled sequence with ``needs_sample``.
+        """
+        seqs, logits = self.compute_logits(output)
+        if not seqs:
+            return {}
+        tokens = self.sampler.sample(
+            logits,
+            [s.sampling for s in seqs],
+            [s.seq_id for s in seqs],
+            [s.num_generated for s in seqs],
+        )
+        return {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def compute_logits(self, output: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Forward one step; float32 logits ``[N, vocab]`` of the N sequences that sample."""
+        seqs = _decodes_first(output.seqs)
+        if not seqs:
+            return [], torch.empty(0, self.spec.vocab_size, device=self.device)
+        input_ids, positions, sample_rows = _pack(seqs)
+        meta = build_attention_metadata(
+            [SeqChunk(s.start_pos, len(s.token_ids), s.block_table, s.sliding_slot) for s in seqs],
+            layer_kinds=self.pool.layer_kinds,
+            block_size=self.block_size,
+            sliding_window=self.pool.sliding_window,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.pool.layers,
+            meta,
+        )
+        sampled = [s for s in seqs if s.needs_sample]
+        if not sampled:
+            return [], hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        return sampled, self.model.compute_logits(hidden)
+
+    def release(self, seq_id: int) -> None:
+        """Drop per-sequence runner state (the sampling generator) of a finished sequence."""
+        self.sampler.release(seq_id)
+
+
+def _decodes_first(seqs: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
+    """Single-token chunks first (one batched decode group), longer chunks after, both stable."""
+    return [s for s in seqs if len(s.token_ids) == 1] + [s for s in seqs if len(s.token_ids) > 1]
+
+
+def _pack(seqs: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, positions, and the row of each sampling sequence's last token."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    for s in seqs:
+        n = len(s.token_ids)
+        input_ids.extend(s.token_ids)
+        positions.extend(range(s.start_pos, s.start_pos + n))
+        if s.needs_sample:
+            sample_rows.append(len(input_ids) - 1)
+    return input_ids, positions, sample_rows
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> DecoderModel:
+    """Build the model of a HF folder (``config.json`` + ``*.safetensors``) on ``device``.
+
+    Raises:
+        ModelSourceError: no ``config.json``, an unsupported architecture, or missing weights.
+    """
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelSourceError(f"{folder}: no config.json")
+    spec = ModelSpec.from_hf_config(json.loads(config_file.read_text()))
+    hf_config = AutoConfig.from_pretrained(folder)
+    model = build_model(spec, hf_config, dtype, device)
+    load_weights(model, folder)
+    return model

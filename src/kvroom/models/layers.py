@@ -1,0 +1,148 @@
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, gated MLP.
+
+They are plain functions over tensors, not ``nn.Module`` s: a decode step of a 135M model is
+bound by per-op Python overhead as much as by FLOPs, so a layer calls ``rms_norm(x, w, eps)``
+directly instead of going through ``Module.__call__`` for every norm and projection.
+
+Rotary layout. HF rotates the two halves of a head (``rotate_half``): dimension ``i`` pairs with
+``i + D/2``. At load time (``weights.py``) the q/k projection rows of every head are permuted so
+that the pair lands side by side::
+
+    HF head dims:      [x0 x1 ... x(D/2-1) | y0 y1 ... y(D/2-1)]     pair i = (x_i, y_i)
+    kvroom head dims:  [x0 y0 x1 y1 ... x(D/2-1) y(D/2-1)]          pair i = dims (2i, 2i+1)
+
+The rotation of pair i by angle ``p * inv_freq[i]`` is then one complex multiply over a
+``view_as_complex`` of q and k together, done in place: one kernel instead of HF's ~8.
+Attention scores are dot products over head dims, so permuting q and k the same way leaves
+them unchanged; the K stored in the cache is permuted too, consistently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvroom.errors import ModelSourceError
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+"""Rope variants whose frequencies do not depend on the sequence length at run time."""
+
+
+def rms_norm(
+    x: torch.Tensor, eps: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) [* weight]`` over the last dim, statistics in float32.
+
+    Four kernels (``vector_norm``, ``addcmul``, ``rsqrt_``, ``mul``) instead of the seven
+    that ``F.rms_norm`` dispatches on CPU: at decode a norm is launch-bound, and there are two
+    per layer. Input norms carry no weight here: ``weights.py`` folds them into the columns of
+    the projection that follows (``W @ (w * x) == (W * w) @ x``).
+
+    Args:
+        x: ``[..., n]`` activations.
+        eps: 0-dim float32 tensor (a tensor so ``addcmul`` adds it without another kernel).
+        weight: ``[n]`` scale, or None when it was folded away.
+    """
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    scale = torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1]).rsqrt_()
+    y = torch.mul(x, scale)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if weight is None else y.mul_(weight)
+
+
+def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate(x)) * up(x)``, gate and up fused into one ``[hidden, 2I]`` matmul.
+
+    The activation and the product run in place on the gate half, so the block allocates only
+    the ``gate_up`` output; the caller adds ``down`` straight into the residual (``addmm_``).
+    """
+    gu = torch.mm(x, gate_up)
+    inter = gu.shape[-1] // 2
+    gate, up = gu[:, :inter], gu[:, inter:]
+    gate = F.silu(gate, inplace=True) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return gate.mul_(up)
+
+
+def rope_permutation(head_dim: int) -> torch.Tensor:
+    """Index map from HF's half-split head layout to kvroom's interleaved one (see module doc).
+
+    ``new[2i] = old[i]`` and ``new[2i+1] = old[i + D/2]``.
+    """
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
+def rope_inv_freq(
+    hf_config: Any, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale of a HF rope configuration.
+
+    ``layer_type`` selects the per-layer-type entry of ``rope_parameters`` (gemma3 runs a
+    different theta on sliding and full layers).
+
+    Raises:
+        ModelSourceError: a rope type whose frequencies change with the sequence length
+            (``dynamic``, ``longrope``), or partial rotary embeddings.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = hf_config.rope_parameters
+    if layer_type is not None:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ModelSourceError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelSourceError(
+            "partial rotary embeddings (partial_rotary_factor < 1) are not supported"
+        )
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (base**exponents), 1.0
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kwargs)
+    return inv_freq.float().cpu(), float(scale)
+
+
+def rope_cis(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-token rotations ``scale * exp(i * p * inv_freq)`` as complex64 ``[T, 1, D/2]``.
+
+    Computed once per step and shared by every layer of the same rope kind; the angle product
+    is done in float32 exactly as HF does, so fp32 results match bit for bit up to the
+    complex multiply.
+    """
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.complex(cos, sin)[:, None, :]
+
+
+def apply_rope_(x: torch.Tensor, cis: torch.Tensor) -> None:
+    """Rotate ``x`` ``[T, N, D]`` (a view into the qkv output) in place by ``cis`` ``[T, 1, D/2]``.
+
+    float32 rotates through a complex view of ``x`` itself (one kernel, no copy). Other dtypes
+    have no complex counterpart on every device, so they are rotated in float32 and copied back.
+    """
+    t, n, d = x.shape
+    if x.dtype == torch.float32:
+        torch.view_as_complex(x.view(t, n, d // 2, 2)).mul_(cis)
+        return
+    rotated = torch.view_as_complex(x.float().view(t, n, d // 2, 2)) * cis
+    x.copy_(torch.view_as_real(rotated).view(t, n, d))
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in place (gemma's logit soft-capping)."""
+    return x.div_(cap).tanh_().mul_(cap)
+
+
+def rounded_scalar(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype``, as HF multiplies by a 0-dim tensor of the model dtype."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))

@@ -1,0 +1,100 @@
+"""Load HF-named safetensors into a model built on the ``meta`` device.
+
+The checkpoint keeps HF names; the model's parameters are fewer and fused. For each kvroom
+parameter the model class names the HF tensors it is made of (``hf_layer_names``); this module
+reads them, applies the load-time transforms, and hands the result to
+``load_state_dict(strict=True, assign=True)``:
+
+* ``qkv`` = cat(q, k, v) rows and ``gate_up`` = cat(gate, up) rows (one matmul each);
+* q/k rows (and q/k norm weights) permuted per head to the interleaved rotary layout
+  (``layers.rope_permutation``);
+* RMSNorm weights plus ``norm_offset`` (gemma's ``1 + w``), computed in float32; the input
+  norms of attention and MLP folded into the input columns of ``qkv`` / ``gate_up``;
+* projections transposed to ``[in, out]``;
+* cast to the model dtype, on the target device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvroom.errors import ModelSourceError
+from kvroom.models.decoder import DecoderModel
+from kvroom.models.layers import rope_permutation
+
+
+class _Checkpoint:
+    """Lazy view over every ``*.safetensors`` file of a folder (tensors read on demand)."""
+
+    def __init__(self, folder: Path, device: torch.device) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelSourceError(f"{folder}: no *.safetensors weights found")
+        self._handles = [safe_open(str(f), framework="pt", device=str(device)) for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelSourceError(f"checkpoint has no tensor {name!r}")
+        return self._where[name].get_tensor(name)
+
+
+def load_weights(model: DecoderModel, folder: str | Path) -> None:
+    """Fill ``model`` (built on meta) from the HF safetensors in ``folder``, then ``post_load``.
+
+    Raises:
+        ModelSourceError: no safetensors, or a tensor the architecture needs is missing.
+    """
+    ckpt = _Checkpoint(Path(folder), model.device)
+    state = {name: _load_one(model, ckpt, name) for name in model.state_dict()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.post_load()
+
+
+def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor:
+    """Read, fuse and transform the HF tensors behind one kvroom parameter."""
+    prefix, param = "", name
+    if name.startswith("layers."):
+        _, index, param = name.split(".", 2)
+        prefix = f"model.layers.{index}."
+        sources = [prefix + n for n in model.hf_layer_names[param]]
+    else:
+        sources = [model.hf_top_names()[name]]
+    parts = [ckpt.get(s) for s in sources]
+    head_dim = model.spec.head_dim
+    if param in ("qkv", "qkv_bias"):
+        q, k, v = parts
+        parts = [_permute_heads(q, head_dim), _permute_heads(k, head_dim), v]
+    elif param in ("q_norm", "k_norm"):
+        parts = [_permute_heads(parts[0], head_dim)]
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if param.endswith("norm"):
+        tensor = _norm_weight(model, tensor)
+    if param in model.hf_folded_norms:
+        tensor = tensor.float() * _norm_weight(model, ckpt.get(prefix + model.hf_folded_norms[param]))
+    if param in _TRANSPOSED:
+        tensor = tensor.t()
+    return tensor.to(model.dtype).contiguous()
+
+
+_TRANSPOSED = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+"""Stored ``[in, out]`` (HF stores ``[out, in]``), for ``torch.mm(x, w)``."""
+
+
+def _norm_weight(model: DecoderModel, w: torch.Tensor) -> torch.Tensor:
+    """The effective RMSNorm scale, in float32: ``w + norm_offset`` (``1 + w`` for gemma)."""
+    return w.float() + model.norm_offset
+
+
+def _permute_heads(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder the rows of every head from HF's half-split layout to the interleaved one."""
+    rows = w.shape[0]
+    perm = rope_permutation(head_dim).to(w.device)
+    return w.reshape(rows // head_dim, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)

@@ -1,0 +1,78 @@
+"""KVCachePool: bytes equal the planner's formula exactly, layer views, bad sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvroom.engine.kv_cache import KVCachePool
+from kvroom.errors import ConfigError
+from kvroom.model_spec import ModelSpec
+
+
+def _spec(layer_types: tuple[str, ...], window: int | None = 8) -> ModelSpec:
+    return ModelSpec(
+        architecture="Gemma3ForCausalLM",
+        model_type="gemma3_text",
+        num_layers=len(layer_types),
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        vocab_size=64,
+        layer_types=layer_types,
+        sliding_window=window,
+        tie_embeddings=True,
+        max_position_embeddings=64,
+    )
+
+
+HYBRID = ("sliding_attention", "full_attention", "sliding_attention")
+
+
+def _pool(spec: ModelSpec, max_seq_len: int = 32, dtype: torch.dtype = torch.float32, **kw):
+    args = dict(num_blocks=5, block_size=4, num_sliding_slots=3) | kw
+    return KVCachePool(spec, max_seq_len=max_seq_len, dtype=dtype, device="cpu", **args)
+
+
+def test_hybrid_nbytes_is_the_formula() -> None:
+    # full:    1 layer  x 2 (K,V) x 5 blocks x 4 tokens x 2 kv heads x 4 dims x 4 bytes = 1280
+    # sliding: 2 layers x 2 (K,V) x 3 slots  x 8 window x 2 kv heads x 4 dims x 4 bytes = 3072
+    assert _pool(_spec(HYBRID)).nbytes() == 1280 + 3072
+
+
+def test_bf16_halves_the_bytes() -> None:
+    assert _pool(_spec(HYBRID), dtype=torch.bfloat16).nbytes() == (1280 + 3072) // 2
+
+
+def test_window_covering_max_seq_len_is_stored_as_full() -> None:
+    pool = _pool(_spec(HYBRID), max_seq_len=8)
+    assert pool.layer_kinds == ("full", "full", "full")
+    assert pool.sliding_window is None
+    assert pool.nbytes() == 3 * 1280
+
+
+def test_layer_views_have_the_documented_shapes_and_share_the_pool() -> None:
+    pool = _pool(_spec(HYBRID))
+    assert [tuple(t.shape) for t in pool.layers] == [
+        (3, 8, 2, 2, 4),
+        (5, 4, 2, 2, 4),
+        (3, 8, 2, 2, 4),
+    ]
+    pool.layers[1][4, 3, 1].fill_(7.0)
+    assert pool.nbytes() == sum(t.nbytes for t in (pool._full, pool._sliding))
+    assert pool._full[0, 4, 3, 1].eq(7.0).all()
+    assert pool.num_tokens == 20
+
+
+def test_pool_starts_zeroed() -> None:
+    pool = _pool(_spec(HYBRID))
+    assert all(not t.any() for t in pool.layers)
+
+
+def test_bad_sizes_raise_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"^KVCachePool.num_blocks: must be > 0, got 0$"):
+        _pool(_spec(HYBRID), num_blocks=0)
+    with pytest.raises(ConfigError, match="num_sliding_slots: must be > 0 for sliding layers"):
+        _pool(_spec(HYBRID), num_sliding_slots=0)
