@@ -187,8 +187,11 @@ class DecoderModel(nn.Module):
     def hf_top_names(self) -> dict[str, str]:
         """Top-level kvroom parameter -> HF tensor (a tied head reads the embedding)."""
         head = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
-        return {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-                "lm_head": head}
+        return {
+            "embed": "model.embed_tokens.weight",
+            "final_norm": "model.norm.weight",
+            "lm_head": head,
+        }
 
     def _layer_config(self) -> LayerConfig:
         s, c = self.spec, self.hf_config

@@ -78,7 +78,9 @@ def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor
     if param.endswith("norm"):
         tensor = _norm_weight(model, tensor)
     if param in model.hf_folded_norms:
-        tensor = tensor.float() * _norm_weight(model, ckpt.get(prefix + model.hf_folded_norms[param]))
+        tensor = tensor.float() * _norm_weight(
+            model, ckpt.get(prefix + model.hf_folded_norms[param])
+        )
     if param in _TRANSPOSED:
         tensor = tensor.t()
     return tensor.to(model.dtype).contiguous()
