@@ -19,7 +19,7 @@ from kvroom.engine.sampler import Sampler
 from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models import build_model
-from kvroom.models.attention import SeqChunk, build_attention_metadata
+from kvroom.models.attention_index import SeqChunk, build_attention_metadata
 from kvroom.models.decoder import DecoderModel
 from kvroom.models.weights import load_weights
 

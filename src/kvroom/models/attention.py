@@ -8,8 +8,8 @@ One engine step packs the tokens of every scheduled sequence into rows ``[0, T)`
 
 Both groups run in one forward; each attention layer handles its two groups with one batched
 SDPA call each, so the Python work per layer does not grow with the number of sequences.
-All index tensors are built once per step (``build_attention_metadata``) and shared by every
-layer of the same kind; the layer loop never syncs with the host.
+All index tensors are built once per step (``attention_index.build_attention_metadata``) and
+shared by every layer of the same kind; the layer loop never syncs with the host.
 
 KV storage (owned by ``engine/kv_cache.py``), per layer, with ``E = [2, kv_heads, head_dim]``
 (K at ``[0]``, V at ``[1]``, so one ``index_copy_`` stores both)::
@@ -28,27 +28,14 @@ new K/V) with the window mask, and only then stores its last ``min(C, W)`` token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kvroom.models.layers import softcap_
-
-
-class SeqChunk(NamedTuple):
-    """One sequence's share of a step, as the metadata builder needs it."""
-
-    start_pos: int
-    """Position of the first token computed this step (= tokens already cached)."""
-    q_len: int
-    """Tokens computed this step."""
-    block_table: Sequence[int]
-    """Full-attention pool blocks; must cover positions ``[0, start_pos + q_len)``."""
-    sliding_slot: int | None
-    """Ring slot of this sequence in the sliding-window layers, None when there are none."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +49,9 @@ class DecodeGroup:
     """Key positions kept after the gather (the gather is padded to whole units)."""
     mask: torch.Tensor | None
     """``[B, 1, 1, kv_len]`` additive mask hiding padding; None when nothing is padded."""
+    kv_start: int | None = None
+    """Set when one sequence's units are consecutive (a fresh pool hands them out in order):
+    the keys are then the view ``cache[kv_start : kv_start + n]``, no gather at all."""
 
 
 @dataclass(frozen=True)
@@ -104,187 +94,6 @@ class AttentionMetadata:
     """Per layer, the batch of its kind (the same object for every layer of a kind)."""
 
 
-def build_attention_metadata(
-    chunks: Sequence[SeqChunk],
-    *,
-    layer_kinds: Sequence[str],
-    block_size: int,
-    sliding_window: int | None,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> AttentionMetadata:
-    """Index tensors and masks of one step, for rows packed in the order of ``chunks``.
-
-    Args:
-        chunks: the step's sequences, every ``q_len == 1`` chunk before every longer one.
-        layer_kinds: per layer ``"full"`` or ``"sliding"`` (``ModelSpec.layer_kinds``).
-        block_size: tokens per block of the full-attention pool.
-        sliding_window: window ``W`` of the sliding layers (needed when any layer slides).
-        dtype: dtype of the additive masks (the model's dtype).
-        device: where the tensors go.
-    """
-    num_decode = next((i for i, c in enumerate(chunks) if c.q_len > 1), len(chunks))
-    assert all(c.q_len > 1 for c in chunks[num_decode:]), "decodes must come first"
-    builder = _Builder(chunks, num_decode, dtype)
-    by_kind: dict[str, KindBatch] = {}
-    if "full" in layer_kinds:
-        by_kind["full"] = builder.full(block_size)
-    if "sliding" in layer_kinds:
-        assert sliding_window is not None, "sliding layers need a window"
-        assert all(c.sliding_slot is not None for c in chunks), "sliding layers need a slot"
-        by_kind["sliding"] = builder.sliding(sliding_window)
-    by_kind = {k: _to_device(v, device) for k, v in by_kind.items()}
-    return AttentionMetadata(
-        num_tokens=builder.num_tokens, layers=tuple(by_kind[k] for k in layer_kinds)
-    )
-
-
-class _Builder:
-    """CPU-side index arithmetic for one step (a handful of small tensors)."""
-
-    def __init__(self, chunks: Sequence[SeqChunk], num_decode: int, dtype: torch.dtype) -> None:
-        self.dec = chunks[:num_decode]
-        self.pre = chunks[num_decode:]
-        self.dtype = dtype
-        self.num_decode = num_decode
-        self.num_tokens = num_decode + sum(c.q_len for c in self.pre)
-        self.max_q = max((c.q_len for c in self.pre), default=0)
-        self.pad_index = self._pad_index()
-
-    def _pad_index(self) -> torch.Tensor | None:
-        if len(self.pre) <= 1:
-            return None
-        rows = [i * self.max_q + j for i, c in enumerate(self.pre) for j in range(c.q_len)]
-        return torch.tensor(rows, dtype=torch.long)
-
-    def full(self, bs: int) -> KindBatch:
-        """Slot of position p: ``block_table[p // bs] * bs + p % bs``."""
-        slots = [
-            c.block_table[p // bs] * bs + p % bs
-            for c in (*self.dec, *self.pre)
-            for p in range(c.start_pos, c.start_pos + c.q_len)
-        ]
-        decode = None
-        if self.dec:
-            lens = [c.start_pos + 1 for c in self.dec]
-            decode = self._decode_group(lens, _block_rows(self.dec, lens, bs), bs)
-        prefill = None
-        if self.pre:
-            ends = [c.start_pos + c.q_len for c in self.pre]
-            kv_index = _block_rows(self.pre, ends, bs)
-            allowed = self._causal(kv_index.shape[1] * bs)
-            prefill = self._prefill_group(kv_index, allowed)
-        write = torch.tensor(slots, dtype=torch.long)
-        return KindBatch(sliding=False, write_index=write, decode=decode, prefill=prefill)
-
-    def sliding(self, w: int) -> KindBatch:
-        """Ring entry of position p of the seq in slot s: ``s * w + p % w``."""
-        write = [c.sliding_slot * w + c.start_pos % w for c in self.dec]
-        decode = None
-        if self.dec:
-            lens = [min(c.start_pos + 1, w) for c in self.dec]
-            slots = torch.tensor([[c.sliding_slot] for c in self.dec], dtype=torch.long)
-            decode = self._decode_group(lens, slots, w)
-        prefill = self._sliding_prefill(w) if self.pre else None
-        write_index = torch.tensor(write, dtype=torch.long)
-        return KindBatch(sliding=True, write_index=write_index, decode=decode, prefill=prefill)
-
-    def _decode_group(self, lens: list[int], kv_index: torch.Tensor, unit: int) -> DecodeGroup:
-        """Gathered length is ``n * unit``; a lone sequence is sliced instead of masked."""
-        kv_len = kv_index.shape[1] * unit
-        mask = None
-        if len(lens) == 1:
-            kv_len = lens[0]
-        elif min(lens) < kv_len:
-            keep = torch.arange(kv_len)[None, :] < torch.tensor(lens)[:, None]
-            mask = _additive(keep[:, None, None, :], self.dtype)
-        return DecodeGroup(len(lens), kv_index, kv_len, mask)
-
-    def _causal(self, num_keys: int) -> torch.Tensor:
-        """``[B, Q, L]``: query j of a chunk starting at s sees cached positions ``<= s + j``."""
-        starts = torch.tensor([c.start_pos for c in self.pre])
-        q_pos = starts[:, None] + torch.arange(self.max_q)[None, :]
-        return torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
-
-    def _prefill_group(
-        self, kv_index: torch.Tensor | None, allowed: torch.Tensor, **writes: torch.Tensor
-    ) -> PrefillGroup:
-        return PrefillGroup(
-            row_start=self.num_decode,
-            num_seqs=len(self.pre),
-            max_q_len=self.max_q,
-            pad_index=self.pad_index,
-            kv_index=kv_index,
-            mask=_additive(allowed[:, None], self.dtype),
-            **writes,
-        )
-
-    def _sliding_prefill(self, w: int) -> PrefillGroup:
-        """Keys = old ring entries (oldest first, right-padded) then the chunk's own tokens.
-
-        ::
-
-            keys of seq with chunk [s, s+C):  old: positions s-n_old .. s-1   (n_old = min(s, W-1))
-                                              new: positions s .. s+C-1
-            query s+j sees position k  iff  s+j-W < k <= s+j
-        """
-        n_old = [min(c.start_pos, w - 1) for c in self.pre]
-        l_old = max(n_old)
-        q = torch.arange(self.max_q)[None, :, None]
-        o = torch.arange(l_old)[None, None, :]
-        n_old_t = torch.tensor(n_old)[:, None, None]
-        old_ok = (o < n_old_t) & (o - n_old_t > q - w)
-        k = torch.arange(self.max_q)[None, None, :]
-        new_ok = (k <= q) & (q - k < w)
-        allowed = torch.cat([old_ok, new_ok.expand(len(self.pre), -1, -1)], dim=2)
-        old_index = None
-        if l_old:
-            rows = [
-                [
-                    c.sliding_slot * w + (c.start_pos - n + i) % w if i < n else 0
-                    for i in range(l_old)
-                ]
-                for c, n in zip(self.pre, n_old, strict=True)
-            ]
-            old_index = torch.tensor(rows, dtype=torch.long)
-        src, dst, row = [], [], self.num_decode
-        for c in self.pre:
-            for p in range(max(c.start_pos, c.start_pos + c.q_len - w), c.start_pos + c.q_len):
-                src.append(row + p - c.start_pos)
-                dst.append(c.sliding_slot * w + p % w)
-            row += c.q_len
-        writes = {"write_src": torch.tensor(src), "write_dst": torch.tensor(dst)}
-        return self._prefill_group(old_index, allowed, **writes)
-
-
-def _block_rows(chunks: Sequence[SeqChunk], lens: list[int], bs: int) -> torch.Tensor:
-    """``[B, n]`` block tables cut to the blocks holding ``lens`` tokens, right-padded with 0."""
-    n = max(-(-length // bs) for length in lens)
-    rows = [list(c.block_table[:n]) + [0] * (n - min(n, len(c.block_table))) for c in chunks]
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where allowed, -inf elsewhere: SDPA adds it to the scores once, no bool conversion."""
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-
-
-def _to_device(batch: KindBatch, device: torch.device | str) -> KindBatch:
-    def move(obj: object) -> object:
-        if isinstance(obj, torch.Tensor):
-            return obj.to(device, non_blocking=True)
-        if isinstance(obj, DecodeGroup | PrefillGroup):
-            return type(obj)(**{f: move(getattr(obj, f)) for f in obj.__dataclass_fields__})
-        return obj
-
-    return KindBatch(
-        sliding=batch.sliding,
-        write_index=move(batch.write_index),
-        decode=move(batch.decode),
-        prefill=move(batch.prefill),
-    )
-
-
 def paged_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -305,10 +114,7 @@ def paged_attention(
     """
     flat = cache.view(-1, *cache.shape[2:])
     td = batch.decode.num_seqs if batch.decode is not None else 0
-    if batch.sliding:
-        flat.index_copy_(0, batch.write_index, kv[:td])
-    else:
-        flat.index_copy_(0, batch.write_index, kv)
+    _store(flat, batch.write_index, kv[:td] if batch.sliding else kv)
     parts = []
     if batch.decode is not None:
         parts.append(_decode(q[:td], cache, batch.decode, scale, softcap))
@@ -316,17 +122,28 @@ def paged_attention(
         pre = batch.prefill
         if batch.sliding:
             parts.append(_prefill_sliding(q[td:], kv, flat, pre, scale, softcap))
-            flat.index_copy_(0, pre.write_dst, kv.index_select(0, pre.write_src))
+            _store(flat, pre.write_dst, kv.index_select(0, pre.write_src))
         else:
-            keys = _gather_units(cache, pre.kv_index)
+            keys = _select(cache, pre.kv_index, q.dtype)
             parts.append(_prefill(q[td:], keys, pre, scale, softcap))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _gather_units(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``cache[index]`` for ``index`` ``[B, n]`` -> ``[B, n * unit_len, 2, kv_heads, head_dim]``."""
-    b = index.shape[0]
-    return cache.index_select(0, index.view(-1)).view(b, -1, *cache.shape[2:])
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """fp8 has no CPU index kernels; a same-width integer view moves the same bytes."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def _store(flat: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
+    """``flat[index] = kv``, rounding to the pool dtype when the KV dtype is narrower."""
+    kv = kv.to(flat.dtype)
+    _bytes_view(flat).index_copy_(0, index, _bytes_view(kv))
+
+
+def _select(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[index]`` for ``index`` ``[B, n]`` -> ``[B, n * unit_len, *entry]`` in ``dtype``."""
+    rows = _bytes_view(cache).index_select(0, index.view(-1)).view(cache.dtype)
+    return rows.view(index.shape[0], -1, *cache.shape[2:]).to(dtype)
 
 
 def _decode(
@@ -335,10 +152,42 @@ def _decode(
     """One query per sequence. The query heads sharing a KV head become that head's "query
     positions" (``[B, kv_heads, group, D]``), so GQA needs neither ``repeat_kv`` nor a copy."""
     b, h, d = q.shape
-    keys = _gather_units(cache, g.kv_index)[:, : g.kv_len]
+    if g.kv_start is None:
+        keys = _select(cache, g.kv_index, q.dtype)[:, : g.kv_len]
+    else:
+        run = cache[g.kv_start : g.kv_start + g.kv_index.shape[1]]
+        keys = run.view(1, -1, *cache.shape[2:])[:, : g.kv_len].to(q.dtype)
     kvh = keys.shape[3]
-    out = _attend(q.view(b, kvh, h // kvh, d), keys, g.mask, scale, softcap)
+    q = q.view(b, kvh, h // kvh, d)
+    if q.device.type == "cpu" and b * kvh <= _SERIAL_MAX_HEADS:
+        with _one_thread():
+            out = _attend(q, keys, g.mask, scale, softcap)
+    else:
+        out = _attend(q, keys, g.mask, scale, softcap)
     return out.reshape(b, h * d)
+
+
+_SERIAL_MAX_HEADS = 8
+"""Decode attention over at most this many (sequence, kv head) pairs runs on one CPU thread."""
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run a tiny CPU kernel without an OpenMP fork/join.
+
+    Single-stream decode attention is ~40 us of work split over 3 heads; the fork/join costs
+    about as much as it saves, and when the second core is busy with another process the join
+    waits for a whole scheduler slice (measured: 8 ms instead of 50 us per call).
+    """
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _prefill(
@@ -364,15 +213,19 @@ def _prefill_sliding(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Keys = old ring entries + the chunk's own K/V, read before the chunk is stored."""
-    new = kv[g.row_start :]
+    """Keys = old ring entries + the chunk's own K/V, read before the chunk is stored.
+
+    The chunk's own K/V are rounded to the pool dtype as if they had been stored, so a prompt
+    gives the same logits however it is chunked.
+    """
+    new = kv[g.row_start :].to(flat.dtype).to(kv.dtype)
     if g.pad_index is None:
         new = new.unsqueeze(0)
     else:
         padded = new.new_zeros(g.num_seqs * g.max_q_len, *new.shape[1:])
         new = padded.index_copy_(0, g.pad_index, new).view(g.num_seqs, g.max_q_len, *new.shape[1:])
     if g.kv_index is not None:
-        old = flat.index_select(0, g.kv_index.view(-1)).view(g.num_seqs, -1, *flat.shape[1:])
+        old = _select(flat.unsqueeze(1), g.kv_index, kv.dtype)
         new = torch.cat([old, new], dim=1)
     return _prefill(q, new, g, scale, softcap)
 

@@ -262,7 +262,27 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` of the selected rows of ``forward``'s output."""
         x = rms_norm(hidden, self.eps, self.final_norm)
-        logits = torch.mm(x, self.lm_head).float()
+        logits = _head_matmul(x, self.lm_head).float()
         if self.final_softcap is not None:
             softcap_(logits, self.final_softcap)
         return logits
+
+
+_HEAD_CHUNK = 1024
+"""Vocabulary columns per LM-head GEMM when several rows sample (see ``_head_matmul``)."""
+
+
+def _head_matmul(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """``x @ head`` for the ``[hidden, vocab]`` head.
+
+    One row is a GEMV and streams the head once either way. For a batch, MKL's blocking over
+    a 49k-column operand is poor on CPU; 1024-column slices that stay in cache measured ~20%
+    faster at 32 rows. GPUs get the single call.
+    """
+    if x.shape[0] == 1 or x.device.type != "cpu":
+        return torch.mm(x, head)
+    out = x.new_empty(x.shape[0], head.shape[1])
+    for start in range(0, head.shape[1], _HEAD_CHUNK):
+        end = start + _HEAD_CHUNK
+        torch.mm(x, head[:, start:end], out=out[:, start:end])
+    return out

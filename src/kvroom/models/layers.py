@@ -56,14 +56,15 @@ def rms_norm(
 def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """``act(gate(x)) * up(x)``, gate and up fused into one ``[hidden, 2I]`` matmul.
 
-    The activation and the product run in place on the gate half, so the block allocates only
-    the ``gate_up`` output; the caller adds ``down`` straight into the residual (``addmm_``).
+    The activation writes a fresh contiguous ``[T, I]`` tensor and the product lands in it:
+    ``down`` then reads a dense operand (a strided view of ``gate_up``'s output measured ~10%
+    slower as a GEMV input on CPU). The caller adds ``down`` straight into the residual.
     """
     gu = torch.mm(x, gate_up)
     inter = gu.shape[-1] // 2
     gate, up = gu[:, :inter], gu[:, inter:]
-    gate = F.silu(gate, inplace=True) if act == "silu" else F.gelu(gate, approximate="tanh")
-    return gate.mul_(up)
+    out = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return out.mul_(up)
 
 
 def rope_permutation(head_dim: int) -> torch.Tensor:
