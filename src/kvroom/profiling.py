@@ -72,6 +72,7 @@ def _profile(folder: Path) -> int:
     info = read_info(folder)
     plan = info.plan.with_num_blocks(info.config.num_min_blocks, "profile")
     runtime = build_runtime(info, plan)
+    runtime.pool.touch()  # a lazily zeroed CPU pool is resident only where touched
     steps = peak_steps(info, runtime.spec.vocab_size)
     cuda = str(info.config.device).startswith("cuda")
     runtime.runner.execute(steps[1])  # warm-up: one-time allocations are not the peak

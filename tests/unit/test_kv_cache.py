@@ -71,6 +71,24 @@ def test_pool_starts_zeroed() -> None:
     assert all(not t.any() for t in pool.layers)
 
 
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_cpu_pool_pages_become_resident_only_when_touched() -> None:
+    """A 256 MiB pool costs no resident memory until used; ``touch`` commits all of it."""
+    before = _rss_bytes()
+    pool = _pool(_spec(HYBRID), num_blocks=256 * 2**20 // 256, dtype=torch.float32)
+    assert pool.nbytes() >= 256 * 2**20
+    assert _rss_bytes() - before < 32 * 2**20
+    pool.touch()
+    assert _rss_bytes() - before >= 240 * 2**20
+    assert not pool._full.any()
+
+
 def test_bad_sizes_raise_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^KVCachePool.num_blocks: must be > 0, got 0$"):
         _pool(_spec(HYBRID), num_blocks=0)
