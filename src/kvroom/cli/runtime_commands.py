@@ -40,6 +40,12 @@ def add_runtime_commands(sub: Any) -> None:
     add_sampling_flags(p)
     add_startup_flags(p)
     p.set_defaults(func=cmd_run)
+    from kvroom.cli.serve_command import add_serve_command  # serve_command imports this module
+
+    add_serve_command(sub)
+    from kvroom.cli.vllm_command import add_vllm_args_command  # imports this module too
+
+    add_vllm_args_command(sub)
 
     p = sub.add_parser("bench", help="throughput against HF transformers on the same artifact")
     p.add_argument("artifact")

@@ -1,0 +1,111 @@
+"""``kvroom serve OUT``: an OpenAI-compatible HTTP server over an artifact.
+
+Start-up, in order: bind the address (a taken port fails in a second, before the model loads),
+size the pool by the start-up override policy (``LLM(path, kvcache_num_blocks=...)``, the same
+``replan`` as ``run`` and ``set``), write the chosen size back only with ``--persist`` (the
+atomic ``set_kvcache_num_blocks``), print the KV line and the address, serve until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+from kvroom.cli.runtime_commands import add_startup_flags, startup_overrides
+from kvroom.errors import ConfigError
+
+
+def add_serve_command(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
+    p.add_argument("artifact")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    add_startup_flags(p)
+    p.add_argument(
+        "--persist",
+        action="store_true",
+        help="write the chosen kvcache_num_blocks into the artifact (atomic, like `kvroom set`); "
+        "without it the artifact is not changed",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients send (default: the artifact path as given)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM before they are "
+        "aborted (default 30)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log one line per HTTP request (default on)",
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
+    try:
+        from kvroom.llm import LLM
+        from kvroom.server.app import create_app, serve
+
+        llm = LLM(args.artifact, **startup_overrides(args))
+        plan = llm.runtime.plan
+        note = persist(args.artifact, plan.num_blocks) if args.persist else "artifact unchanged"
+        app = create_app(llm, served_model_name=args.served_model_name or args.artifact)
+        host, port = sock.getsockname()[:2]
+        _say(f"{plan.summary_line()} ({note})")
+        _say(f"serving {args.artifact} on {_url(host, port)} (OpenAI API under /v1)")
+        serve(app, sock, access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
+    finally:
+        sock.close()
+    _say("server stopped")
+    return 0
+
+
+def persist(path: str, num_blocks: int) -> str:
+    """Write ``num_blocks`` into the artifact (atomic ``set``); returns a note for the KV line."""
+    from kvroom.artifact.resize import get_kvcache_num_blocks, set_kvcache_num_blocks
+
+    if get_kvcache_num_blocks(path) == num_blocks:
+        return f"artifact already records {num_blocks} blocks"
+    set_kvcache_num_blocks(path, num_blocks)
+    return f"persisted {num_blocks} blocks to the artifact"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a colon); uvicorn listens.
+
+    Raises:
+        ConfigError: the port is out of range, or the address cannot be bound.
+    """
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port: must be in [0, 65535], got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"--host/--port: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+            "pick another --port (0 = any free one) or stop what holds it"
+        ) from exc
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(f"kvroom serve: {line}\n")
+    sys.stdout.flush()
