@@ -53,6 +53,34 @@ def rms_norm(
     return y if weight is None else y.mul_(weight)
 
 
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """A ``[in, out]`` projection in oneDNN's prepacked layout, on CPU where oneDNN runs.
+
+    Decode-time GEMMs read every weight from DRAM once per step. oneDNN's blocked layout,
+    reordered once at load, streams them far better than MKL's plain GEMM over a row-major
+    matrix: measured on this 2-core CPU for SmolLM2's 30 layers, 39 ms instead of 87 ms per
+    step at 32 rows, 16 ms instead of 23 ms at one row, and the 49k-column LM head 9 ms
+    instead of 29 ms at 32 rows. Elsewhere (CUDA, other dtypes, no oneDNN) ``w`` is returned.
+    """
+    if (
+        w.device.type != "cpu"
+        or w.dtype not in PACKABLE_DTYPES
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return w
+    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w (+ bias)`` for a ``[in, out]`` weight or one from ``pack_weight``."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
 def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """``act(gate(x)) * up(x)``, gate and up fused into one ``[hidden, 2I]`` matmul.
 
@@ -60,7 +88,7 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
     ``down`` then reads a dense operand (a strided view of ``gate_up``'s output measured ~10%
     slower as a GEMV input on CPU). The caller adds ``down`` straight into the residual.
     """
-    gu = torch.mm(x, gate_up)
+    gu = matmul(x, gate_up)
     inter = gu.shape[-1] // 2
     gate, up = gu[:, :inter], gu[:, inter:]
     out = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
