@@ -36,7 +36,7 @@ from kvroom.models.layers import (
     apply_rope_,
     glu,
     matmul,
-    pack_weight,
+    prepare_weight,
     rms_norm,
     rope_cis,
     rope_inv_freq,
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
 
     Projection weights are loaded ``[in, out]`` (``torch.mm(x, w)``): MKL's plain GEMM path
     streams a decode step's weights ~25% faster than ``F.linear``'s transposed one. On CPU
-    ``post_load`` then swaps them for oneDNN-prepacked copies (``layers.pack_weight``), which
+    ``post_load`` then swaps them for oneDNN-prepacked copies (``layers.prepare_weight``), which
     are faster again. The input norms' weights are folded into ``qkv`` and ``gate_up`` at load
     (``weights.py``).
     """
@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
         q and k normalise in one pass."""
         self.eps = eps
         for name in self.projections:
-            _swap_for_packed(self, name)
+            _install(self, name, prepare_weight(getattr(self, name)))
         if self.q_norm is not None and self.k_norm is not None:
             c = self.cfg
             w = [self.q_norm.expand(c.num_heads, -1), self.k_norm.expand(c.num_kv_heads, -1)]
@@ -230,13 +230,10 @@ class DecoderModel(nn.Module):
     def post_load(self) -> None:
         """Build what is derived from loaded weights or the config, on the weights' device."""
         self.device = self.lm_head.device
-        if self.embed is None:
-            packed = pack_weight(self.lm_head)
-            if packed is not self.lm_head:
-                self.embed = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
-                _swap_for_packed(self, "lm_head", packed)
-        else:
-            _swap_for_packed(self, "lm_head")
+        head = prepare_weight(self.lm_head)
+        if self.embed is None and head.is_mkldnn:
+            self.embed = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
+        _install(self, "lm_head", head)
         self.eps = torch.tensor(self.eps_value, dtype=torch.float32, device=self.device)
         self._rope = []
         for kind in self.rope_kinds:
@@ -301,11 +298,11 @@ def _head_matmul(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _swap_for_packed(module: nn.Module, name: str, packed: torch.Tensor | None = None) -> None:
-    """Replace parameter ``name`` by its packed form (a plain attribute: it is not a Parameter
-    any more, and the dense copy is freed). No-op where ``pack_weight`` does not pack."""
-    dense = getattr(module, name)
-    packed = pack_weight(dense) if packed is None else packed
-    if packed is not dense:
-        delattr(module, name)
-        setattr(module, name, packed)
+def _install(module: nn.Module, name: str, weight: torch.Tensor) -> None:
+    """Replace parameter ``name`` by ``weight``: a dense one stays a Parameter; a packed one
+    becomes a plain attribute (it is not a Parameter any more) and the dense copy is freed."""
+    delattr(module, name)
+    if weight.is_mkldnn:
+        setattr(module, name, weight)
+    else:
+        setattr(module, name, nn.Parameter(weight, requires_grad=False))

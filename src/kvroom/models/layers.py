@@ -56,26 +56,28 @@ def rms_norm(
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """A ``[in, out]`` projection in oneDNN's prepacked layout, on CPU where oneDNN runs.
+def prepare_weight(w: torch.Tensor) -> torch.Tensor:
+    """A ``[in, out]`` projection in the form ``matmul`` reads fastest.
 
-    Decode-time GEMMs read every weight from DRAM once per step. oneDNN's blocked layout,
-    reordered once at load, streams them far better than MKL's plain GEMM over a row-major
-    matrix: measured on this 2-core CPU for SmolLM2's 30 layers, 39 ms instead of 87 ms per
-    step at 32 rows, 16 ms instead of 23 ms at one row, and the 49k-column LM head 9 ms
-    instead of 29 ms at 32 rows. Elsewhere (CUDA, other dtypes, no oneDNN) ``w`` is returned.
+    On CPU where oneDNN runs: oneDNN's prepacked layout. Decode-time GEMMs read every weight
+    from DRAM once per step, and the blocked layout, reordered once at load, streams them far
+    better than MKL's plain GEMM over a row-major matrix: measured on this 2-core CPU for
+    SmolLM2's 30 layers, 39 ms instead of 87 ms per step at 32 rows, 16 ms instead of 23 ms at
+    one row, and the 49k-column LM head 9 ms instead of 29 ms at 32 rows.
+
+    Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
     if (
-        w.device.type != "cpu"
-        or w.dtype not in PACKABLE_DTYPES
-        or not torch.backends.mkldnn.is_available()
+        w.device.type == "cpu"
+        and w.dtype in PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
     ):
-        return w
-    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+        return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+    return w.contiguous()
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w (+ bias)`` for a ``[in, out]`` weight or one from ``pack_weight``."""
+    """``x @ w (+ bias)`` for a ``[in, out]`` weight from ``prepare_weight``."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)

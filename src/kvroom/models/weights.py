@@ -82,12 +82,13 @@ def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor
             model, ckpt.get(prefix + model.hf_folded_norms[param])
         )
     if param in _TRANSPOSED:
-        tensor = tensor.t()
+        return tensor.to(model.dtype).contiguous().t()
     return tensor.to(model.dtype).contiguous()
 
 
 _TRANSPOSED = ("qkv", "o_proj", "gate_up", "down", "lm_head")
-"""Stored ``[in, out]`` (HF stores ``[out, in]``), for ``torch.mm(x, w)``."""
+"""Loaded as ``[in, out]`` views of HF's ``[out, in]`` rows; ``post_load`` gives each the form
+``layers.matmul`` reads fastest (``layers.prepare_weight``), so no transpose is copied twice."""
 
 
 def _norm_weight(model: DecoderModel, w: torch.Tensor) -> torch.Tensor:
