@@ -127,14 +127,18 @@ model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=1, do_sample=False)
 """
 
 
-def load_to_first_token(script: str, args: list[str], repeats: int = 2) -> float:
-    """Median wall time of a fresh interpreter loading the artifact and making one token."""
-    times = []
+def load_to_first_token(
+    runs: dict[str, tuple[str, list[str]]], repeats: int = 3
+) -> dict[str, float]:
+    """Per name, the median wall time of a fresh interpreter running ``script args`` (load the
+    artifact, make one token); the names take turns, so a busy spell hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, (script, args) in runs.items():
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_bench(
@@ -177,10 +181,9 @@ def run_bench(
     results["single_stream"] = _single_stream(llm, hf, prompts[0], single_stream_tokens)
     if load_test:
         n = str(llm.runtime.plan.num_blocks)
-        results["load_to_first_token_s"] = {
-            "kvroom": load_to_first_token(LOAD_KVROOM, [str(artifact), n]),
-            "hf": load_to_first_token(LOAD_HF, [str(artifact)]),
-        }
+        results["load_to_first_token_s"] = load_to_first_token(
+            {"kvroom": (LOAD_KVROOM, [str(artifact), n]), "hf": (LOAD_HF, [str(artifact)])}
+        )
     return results
 
 
@@ -192,20 +195,28 @@ def _timed_pair(
     return out, time.perf_counter() - start
 
 
-def _single_stream(llm: LLM, hf: Any, prompt: list[int], new_tokens: int) -> dict[str, float]:
+def _single_stream(
+    llm: LLM, hf: Any, prompt: list[int], new_tokens: int, repeats: int = 3
+) -> dict[str, float]:
+    """Median tokens/s of one request, kvroom and HF runs interleaved (the machine is shared)."""
     import torch
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    _, kv_secs = timed(lambda: len(llm.generate([prompt], params)[0].token_ids))
     ids = torch.tensor([prompt])
-    hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    _, hf_secs = timed(
-        lambda: hf.generate(
-            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-        ).shape[1]
-    )
-    return {"kvroom_tokens_per_s": new_tokens / kv_secs, "hf_tokens_per_s": new_tokens / hf_secs}
+
+    def run_hf(n: int) -> int:
+        return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False).shape[1]
+
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    run_hf(4)
+    kv_secs, hf_secs = [], []
+    for _ in range(repeats):
+        kv_secs.append(timed(lambda: len(llm.generate([prompt], params)[0].token_ids))[1])
+        hf_secs.append(timed(lambda: run_hf(new_tokens))[1])
+    return {
+        "kvroom_tokens_per_s": new_tokens / statistics.median(kv_secs),
+        "hf_tokens_per_s": new_tokens / statistics.median(hf_secs),
+    }
 
 
 def print_report(results: dict[str, Any]) -> None:
