@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,7 +74,7 @@ def test_pool_starts_zeroed() -> None:
 
 
 def _rss_bytes() -> int:
-    for line in open("/proc/self/status").read().splitlines():
+    for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")

@@ -324,6 +324,31 @@ def test_serve_with_vllm_without_vllm_on_path(default_art, monkeypatch) -> None:
         serve_with_vllm(serve_args(default_art, None))  # type: ignore[arg-type]
 
 
+def test_cli_serve_engine_vllm_overrides_and_persists(default_art, tmp_path, capfd) -> None:
+    """``kvroom serve --engine vllm``: the start-up override reaches vLLM and, with
+    ``--persist``, the artifact; vLLM's matching KV line is accepted."""
+    python = fake_vllm(tmp_path, "32,768", "exit 0")
+    argv = ["serve", str(default_art), "--engine", "vllm", "--vllm-python", python]
+    assert main([*argv, "--kvcache-num-blocks", "2048", "--port", "8124", "--persist"]) == 0
+    out, err = capfd.readouterr()
+    assert "--kv-cache-memory-bytes 1509949440 --host 127.0.0.1 --port 8124" in out
+    assert "vLLM KV cache 32,768 tokens matches the plan's 32,768 tokens" in out
+    assert "kvroom serve: persisted 2048 blocks to the artifact" in out
+    assert main(["get", str(default_art)]) == 0
+    assert capfd.readouterr().out.strip() == "2048"
+
+
+def test_cli_serve_engine_vllm_mismatch_is_one_line_and_exit_2(default_art, tmp_path, capfd):
+    python = fake_vllm(tmp_path, "131,072", "exec sleep 60")
+    argv = ["serve", str(default_art), "--engine", "vllm", "--vllm-python", python]
+    before = (default_art / "kvroom_config.json").read_bytes()
+    assert main(argv) == 2
+    err_lines = [ln for ln in capfd.readouterr().err.splitlines() if "error" in ln]
+    assert len(err_lines) == 1
+    assert "131,072 tokens but the plan is 65,536 tokens" in err_lines[0]
+    assert (default_art / "kvroom_config.json").read_bytes() == before
+
+
 def test_vllm_pool_plain_numbers(default_art) -> None:
     plan = prepare(default_art).plan
     pool = vllm_pool(plan, 128)

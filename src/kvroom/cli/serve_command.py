@@ -4,6 +4,9 @@ Start-up, in order: bind the address (a taken port fails in a second, before the
 size the pool by the start-up override policy (``LLM(path, kvcache_num_blocks=...)``, the same
 ``replan`` as ``run`` and ``set``), write the chosen size back only with ``--persist`` (the
 atomic ``set_kvcache_num_blocks``), print the KV line and the address, serve until SIGTERM.
+
+``--engine vllm`` plans the same way, then hands the pool to ``vllm serve`` and checks vLLM's
+own KV line against the plan (``cli/vllm_command.serve_with_vllm``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from typing import Any
 
 from kvroom.cli.runtime_commands import add_startup_flags, startup_overrides
+from kvroom.cli.vllm_command import add_vllm_serve_flags, launch_for, serve_with_vllm
 from kvroom.errors import ConfigError
 
 
@@ -22,6 +26,12 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("artifact")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    p.add_argument(
+        "--engine",
+        choices=("kvroom", "vllm"),
+        default="kvroom",
+        help="kvroom's own runtime (default), or `vllm serve` given exactly the planned pool",
+    )
     add_startup_flags(p)
     p.add_argument(
         "--persist",
@@ -47,10 +57,13 @@ def add_serve_command(sub: Any) -> None:
         default=True,
         help="log one line per HTTP request (default on)",
     )
+    add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return cmd_serve_vllm(args)
     sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
     try:
         from kvroom.llm import LLM
@@ -68,6 +81,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     _say("server stopped")
     return 0
+
+
+def cmd_serve_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: the same start-up plan, persisted on request, served by vLLM."""
+    launch = launch_for(args)
+    if args.persist:
+        _say(persist(args.artifact, launch.plan.num_blocks))
+    return serve_with_vllm(args, launch)
 
 
 def persist(path: str, num_blocks: int) -> str:

@@ -82,15 +82,16 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_with_vllm(args: argparse.Namespace) -> int:
+def serve_with_vllm(args: argparse.Namespace, launch: VllmLaunch | None = None) -> int:
     """``kvroom serve OUT --engine vllm``: start ``vllm serve`` with the artifact's flags, stream
     its log, stop it when its KV line disagrees with the plan. Returns vLLM's exit code.
 
     Reads ``artifact``, ``host``, ``port``, ``served_model_name``, ``vllm_python``,
     ``vllm_block_size``, ``vllm_pool``, ``device`` and the start-up flags from ``args``; the
-    ones missing take their defaults.
+    ones missing take their defaults. ``launch``, when given, is ``launch_for(args)`` already
+    computed.
     """
-    launch = launch_for(args)
+    launch = launch or launch_for(args)
     command = serve_command(
         launch,
         python=getattr(args, "vllm_python", None),
