@@ -12,13 +12,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvroom.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from kvroom.engine.output import SchedulerOutput
 from kvroom.engine.sampling import SamplingParams
 from kvroom.engine.scheduler import Scheduler
 from kvroom.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvroom.errors import AdmissionError
-
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class Runner(Protocol):
@@ -70,6 +69,7 @@ class EngineStats:
 class _Request:
     request_id: str
     seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
     num_emitted: int = 0
     """Output tokens already returned in a ``RequestOutput``."""
     text: str = ""
@@ -134,7 +134,8 @@ class LLMEngine:
             )
         seq = Sequence(seq_id, tuple(prompt_token_ids), params, self.eos_token_ids)
         self.scheduler.add(seq)
-        request = _Request(request_id, seq)
+        detokenizer = IncrementalDetokenizer(self.detokenize) if self.detokenize else None
+        request = _Request(request_id, seq, detokenizer)
         self._requests[request_id] = request
         self._by_seq[seq_id] = request
         return request_id
@@ -210,14 +211,15 @@ class LLMEngine:
         Trailing U+FFFD (an incomplete UTF-8 character the next token may complete) is not
         counted as checked.
         """
-        assert self.detokenize is not None
-        text = self.detokenize(list(request.seq.output_token_ids))
-        stops = request.seq.params.stop
+        assert request.detokenizer is not None
+        seq = request.seq
+        text = request.detokenizer.update(seq.output_token_ids, finished=seq.is_finished)
+        stops = seq.params.stop
         if stops:
             longest = max(len(s) for s in stops)
             start = max(0, request.num_checked_chars - longest + 1)
             cut = _first_stop(text, stops, start)
-            request.num_checked_chars = len(text.rstrip(_REPLACEMENT_CHAR))
+            request.num_checked_chars = len(text.rstrip(REPLACEMENT_CHAR))
             if cut is not None:
                 text = text[:cut]
                 request.stopped_by_string = True
