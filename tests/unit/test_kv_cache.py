@@ -80,15 +80,28 @@ def _rss_bytes() -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_cpu_pool_pages_become_resident_only_when_touched() -> None:
-    """A 256 MiB pool costs no resident memory until used; ``touch`` commits all of it."""
+def test_cpu_pool_becomes_resident_in_the_background_without_losing_writes() -> None:
+    """A 256 MiB pool is faulted in off the caller's thread; K/V written meanwhile survive."""
     before = _rss_bytes()
     pool = _pool(_spec(HYBRID), num_blocks=256 * 2**20 // 256, dtype=torch.float32)
     assert pool.nbytes() >= 256 * 2**20
-    assert _rss_bytes() - before < 32 * 2**20
+    pool.layers[1][-1].fill_(3.0)  # the last block, most likely not populated yet
+    pool.layers[0][0].fill_(2.0)
     pool.touch()
     assert _rss_bytes() - before >= 240 * 2**20
-    assert not pool._full.any()
+    assert pool.layers[1][-1].eq(3.0).all() and pool.layers[0][0].eq(2.0).all()
+    assert int(pool._full.count_nonzero()) == pool.layers[1][-1].numel()
+
+
+def test_touch_without_the_kernel_populate_keeps_contents(monkeypatch) -> None:
+    """Where MADV_POPULATE_WRITE is refused, ``touch`` writes one unchanged byte per page."""
+    monkeypatch.setattr("kvroom.engine.kv_cache.MADV_POPULATE_WRITE", -1)  # EINVAL
+    pool = _pool(_spec(HYBRID), num_blocks=4096)
+    pool.layers[1][7].fill_(-1.5)
+    pool.touch()
+    assert pool._populating is not None and not pool._populating.populated
+    assert pool.layers[1][7].eq(-1.5).all()
+    assert int(pool._full.count_nonzero()) == pool.layers[1][7].numel()
 
 
 def test_bad_sizes_raise_config_error() -> None:

@@ -13,9 +13,13 @@ A sliding layer whose window covers ``max_seq_len`` is stored (and run) as a ful
 (``ModelSpec.layer_kinds``). The pool is zero-filled: masked-out keys still flow through
 ``softmax(...) @ V`` with weight 0, and ``0 * NaN`` from uninitialised memory would be NaN.
 
-On CPU the zeros come from an anonymous ``mmap`` (``zeros_lazy``): the kernel hands out zero
-pages on first touch, so start-up does not memset gigabytes (``torch.zeros`` of a 2.8 GiB pool
-measured ~2 s) and the resident set grows only as blocks are used, never past ``nbytes``.
+On CPU the zeros come from an anonymous ``mmap`` (``zeros_lazy``), which the kernel zeroes
+page by page, and a background thread makes every page resident with
+``madvise(MADV_POPULATE_WRITE)`` (``populate_in_background``), which leaves contents alone and
+so is safe while the engine already writes K/V. Start-up thus does not wait for a multi-GiB
+memset (``torch.zeros`` of the default 2.8 GiB pool: 0.8 s here, 2-4 s on a busy machine), and
+decode steps do not pay page faults either: left to first touch, a 32-sequence decode step's
+K/V stores measured 200+ us per layer instead of 40 us.
 
 Bytes, exactly the planner's formula (``kvh`` = kv heads, ``hd`` = head dim)::
 
@@ -25,7 +29,9 @@ Bytes, exactly the planner's formula (``kvh`` = kv heads, ``hd`` = head dim)::
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import threading
 
 import torch
 
@@ -80,6 +86,7 @@ class KVCachePool:
         self._full = zeros_lazy((n_full, num_blocks, block_size, *entry), dtype, device)
         ring = (num_sliding_slots, self.sliding_window or 0)
         self._sliding = zeros_lazy((n_sliding, *ring, *entry), dtype, device)
+        self._populating = populate_in_background([self._full, self._sliding])
         self.layers: list[torch.Tensor] = self._layer_views()
         """Per layer its ``[units, unit_len, 2, kv_heads, head_dim]`` view (model input)."""
 
@@ -88,9 +95,13 @@ class KVCachePool:
         return [next(full) if k == "full" else next(sliding) for k in self.layer_kinds]
 
     def touch(self) -> None:
-        """Make every page of the pool resident (the profiling pass counts resident bytes)."""
-        self._full.zero_()
-        self._sliding.zero_()
+        """Return once every page of the pool is resident (the profiling pass counts resident
+        bytes). Contents are unchanged."""
+        if self._populating is not None:
+            self._populating.join()
+        if self._populating is None or not self._populating.populated:
+            for t in (self._full, self._sliding):
+                t.view(-1).view(torch.uint8)[::4096].add_(0)  # one byte per page, unchanged
 
     def nbytes(self) -> int:
         """Bytes held by the pool: the sum of its tensors' ``nbytes``."""
@@ -116,3 +127,40 @@ def zeros_lazy(
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14: fault pages in writable, as a write would, without writing."""
+POPULATE_CHUNK_BYTES = 64 * 2**20
+
+
+class _Populator(threading.Thread):
+    """Faults the CPU pool's pages in, chunk by chunk, off the caller's thread (ctypes calls
+    release the GIL). ``populated`` is False where the kernel does not support it."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__(name="kvroom-kv-populate", daemon=True)
+        self.tensors = tensors  # held so the mappings outlive the thread
+        self.populated = True
+
+    def run(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for t in self.tensors:
+            start, nbytes = t.data_ptr(), t.nbytes
+            for offset in range(0, nbytes, POPULATE_CHUNK_BYTES):
+                size = min(POPULATE_CHUNK_BYTES, nbytes - offset)
+                if madvise(start + offset, size, MADV_POPULATE_WRITE) != 0:
+                    self.populated = False
+                    return
+
+
+def populate_in_background(tensors: list[torch.Tensor]) -> _Populator | None:
+    """Start making the pages of CPU ``zeros_lazy`` tensors resident; None elsewhere."""
+    cpu = [t for t in tensors if t.device.type == "cpu" and t.nbytes > 0]
+    if not cpu:
+        return None
+    thread = _Populator(cpu)
+    thread.start()
+    return thread
