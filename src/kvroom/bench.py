@@ -111,33 +111,46 @@ def bench_hf_batch(model: Any, tokenizer: Any, prompts: list[list[int]], new_tok
     return sum(len(o.generated_tokens) for o in outputs.values())
 
 
-LOAD_KVROOM = """
+_SINCE_START = """
+import time, psutil
+print("FIRST_TOKEN_S", time.time() - psutil.Process().create_time())
+"""
+"""Seconds from the process's creation (interpreter start included) to its first token; what
+the process does after (tearing down a multi-GiB pool, say) is not load time."""
+LOAD_KVROOM = (
+    """
 import sys, time
 from kvroom.llm import LLM
 from kvroom.engine.sampling import SamplingParams
 llm = LLM(sys.argv[1], kvcache_num_blocks=sys.argv[2])
 llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=1))
 """
-LOAD_HF = """
+    + _SINCE_START
+)
+LOAD_HF = (
+    """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=1, do_sample=False)
 """
+    + _SINCE_START
+)
 
 
 def load_to_first_token(
     runs: dict[str, tuple[str, list[str]]], repeats: int = 3
 ) -> dict[str, float]:
-    """Per name, the median wall time of a fresh interpreter running ``script args`` (load the
-    artifact, make one token); the names take turns, so a busy spell hits them alike."""
+    """Per name, the median seconds from a fresh interpreter's start to the first token of
+    ``script args``; the names take turns, so a busy spell hits them alike."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, (script, args) in runs.items():
-            start = time.perf_counter()
-            subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True)
-            times[name].append(time.perf_counter() - start)
+            cmd = [sys.executable, "-c", script, *args]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            line = next(ln for ln in out.splitlines() if ln.startswith("FIRST_TOKEN_S "))
+            times[name].append(float(line.split()[1]))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -29,8 +29,10 @@ Bytes, exactly the planner's formula (``kvh`` = kv heads, ``hd`` = head dim)::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
+import os
 import threading
 
 import torch
@@ -131,7 +133,8 @@ def zeros_lazy(
 
 MADV_POPULATE_WRITE = 23
 """Linux >= 5.14: fault pages in writable, as a write would, without writing."""
-POPULATE_CHUNK_BYTES = 64 * 2**20
+POPULATE_CHUNK_BYTES = 4 * 2**20
+"""Small enough that the address-space lock is never held long against the allocator."""
 
 
 class _Populator(threading.Thread):
@@ -144,6 +147,8 @@ class _Populator(threading.Thread):
         self.populated = True
 
     def run(self) -> None:
+        with contextlib.suppress(OSError):  # lowest priority: fill idle CPU, not steal it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
