@@ -81,10 +81,13 @@ def _rss_bytes() -> int:
 
 
 def test_cpu_pool_becomes_resident_in_the_background_without_losing_writes() -> None:
-    """A 256 MiB pool is faulted in off the caller's thread; K/V written meanwhile survive."""
+    """A 256 MiB pool costs no resident memory at creation; it is faulted in off the caller's
+    thread once started (the runner starts it after its first step); K/V written meanwhile
+    survive."""
     before = _rss_bytes()
     pool = _pool(_spec(HYBRID), num_blocks=256 * 2**20 // 256, dtype=torch.float32)
     assert pool.nbytes() >= 256 * 2**20
+    assert _rss_bytes() - before < 32 * 2**20
     pool.layers[1][-1].fill_(3.0)  # the last block, most likely not populated yet
     pool.layers[0][0].fill_(2.0)
     pool.touch()

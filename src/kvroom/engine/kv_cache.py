@@ -15,11 +15,11 @@ A sliding layer whose window covers ``max_seq_len`` is stored (and run) as a ful
 
 On CPU the zeros come from an anonymous ``mmap`` (``zeros_lazy``), which the kernel zeroes
 page by page, and a background thread makes every page resident with
-``madvise(MADV_POPULATE_WRITE)`` (``populate_in_background``), which leaves contents alone and
-so is safe while the engine already writes K/V. Start-up thus does not wait for a multi-GiB
-memset (``torch.zeros`` of the default 2.8 GiB pool: 0.8 s here, 2-4 s on a busy machine), and
-decode steps do not pay page faults either: left to first touch, a 32-sequence decode step's
-K/V stores measured 200+ us per layer instead of 40 us.
+``madvise(MADV_POPULATE_WRITE)`` (``populate_in_background``, started after the first step),
+which leaves contents alone and so is safe while the engine already writes K/V. Start-up thus
+does not wait for a multi-GiB memset (``torch.zeros`` of the default 2.8 GiB pool: 0.8 s
+here, 2-4 s on a busy machine), and decode steps do not pay page faults either: left to first
+touch, a 32-sequence decode step's K/V stores measured 200+ us per layer instead of 40 us.
 
 Bytes, exactly the planner's formula (``kvh`` = kv heads, ``hd`` = head dim)::
 
@@ -88,7 +88,8 @@ class KVCachePool:
         self._full = zeros_lazy((n_full, num_blocks, block_size, *entry), dtype, device)
         ring = (num_sliding_slots, self.sliding_window or 0)
         self._sliding = zeros_lazy((n_sliding, *ring, *entry), dtype, device)
-        self._populating = populate_in_background([self._full, self._sliding])
+        self._populating: _Populator | None = None
+        self._populate_started = False
         self.layers: list[torch.Tensor] = self._layer_views()
         """Per layer its ``[units, unit_len, 2, kv_heads, head_dim]`` view (model input)."""
 
@@ -96,12 +97,22 @@ class KVCachePool:
         full, sliding = iter(self._full), iter(self._sliding)
         return [next(full) if k == "full" else next(sliding) for k in self.layer_kinds]
 
+    def start_populating(self) -> None:
+        """Start faulting the CPU pool's pages in on a background thread (once; a no-op on
+        CUDA). The runner calls it after its first step, so load-to-first-token does not
+        share the CPU with it."""
+        if not self._populate_started:
+            self._populate_started = True
+            self._populating = populate_in_background([self._full, self._sliding])
+
     def touch(self) -> None:
         """Return once every page of the pool is resident (the profiling pass counts resident
         bytes). Contents are unchanged."""
-        if self._populating is not None:
-            self._populating.join()
-        if self._populating is None or not self._populating.populated:
+        self.start_populating()
+        if self._populating is None:  # not a CPU pool: allocated resident
+            return
+        self._populating.join()
+        if not self._populating.populated:
             for t in (self._full, self._sliding):
                 t.view(-1).view(torch.uint8)[::4096].add_(0)  # one byte per page, unchanged
 

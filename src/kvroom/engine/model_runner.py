@@ -66,6 +66,7 @@ class ModelRunner:
             [s.seq_id for s in seqs],
             [s.num_generated for s in seqs],
         )
+        self.pool.start_populating()
         return {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
 
     @torch.inference_mode()
