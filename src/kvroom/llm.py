@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvroom.artifact.layout import read_info
-from kvroom.artifact.resize import replan
+from kvroom.artifact.resize import startup_plan
 from kvroom.engine.engine import RequestOutput
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
@@ -69,11 +68,9 @@ class LLM:
                 "kvcache_num_blocks_adjuster is ignored when loading an artifact: the estimate "
                 "ran at build time; pass kvcache_num_blocks=N or 'auto' to resize at start-up"
             )
-        info = read_info(path)
-        plan = replan(
-            info,
+        info, plan = startup_plan(
+            path,
             kvcache_num_blocks,
-            source="override",
             device_memory=device_memory,
             kvcache_reserve_memory=kvcache_reserve_memory,
             kvcache_memory_fraction=kvcache_memory_fraction,

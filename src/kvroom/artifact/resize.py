@@ -41,6 +41,28 @@ def set_kvcache_num_blocks(
     return plan
 
 
+def startup_plan(
+    path: str | Path,
+    num_blocks: int | str | None = None,
+    *,
+    device_memory: int | str | None = None,
+    kvcache_reserve_memory: int | str | None = None,
+    kvcache_memory_fraction: float | None = None,
+) -> tuple[ArtifactInfo, MemoryPlan]:
+    """The artifact at ``path`` and the plan a start-up override gives it (``replan`` with
+    ``source="override"``); the artifact is not changed."""
+    info = read_info(path)
+    plan = replan(
+        info,
+        num_blocks,
+        source="override",
+        device_memory=device_memory,
+        kvcache_reserve_memory=kvcache_reserve_memory,
+        kvcache_memory_fraction=kvcache_memory_fraction,
+    )
+    return info, plan
+
+
 def replan(
     info: ArtifactInfo,
     num_blocks: int | str | None,

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvroom.artifact.layout import ArtifactInfo, read_info
-from kvroom.artifact.resize import replan
+from kvroom.artifact.layout import ArtifactInfo
+from kvroom.artifact.resize import startup_plan
 from kvroom.errors import ConfigError
 from kvroom.plan import MemoryPlan
 from kvroom.units import cdiv
@@ -124,11 +124,9 @@ def prepare(
     **vllm_overrides: Any,
 ) -> VllmLaunch:
     """``engine_args`` with the pool it encodes (see there for the arguments)."""
-    info = read_info(path)
-    plan = replan(
-        info,
+    info, plan = startup_plan(
+        path,
         kvcache_num_blocks,
-        source="override",
         device_memory=device_memory,
         kvcache_reserve_memory=kvcache_reserve_memory,
         kvcache_memory_fraction=kvcache_memory_fraction,
