@@ -349,6 +349,13 @@ def test_cli_serve_engine_vllm_mismatch_is_one_line_and_exit_2(default_art, tmp_
     assert (default_art / "kvroom_config.json").read_bytes() == before
 
 
+def test_cli_serve_vllm_flags_without_engine_vllm_are_an_error(default_art, capfd) -> None:
+    assert main(["serve", str(default_art), "--vllm-python", "/x/python", "--port", "1"]) == 2
+    assert capfd.readouterr().err.strip() == (
+        "kvroom: error: --vllm-python: only used with --engine vllm"
+    )
+
+
 def test_vllm_pool_plain_numbers(default_art) -> None:
     plan = prepare(default_art).plan
     pool = vllm_pool(plan, 128)

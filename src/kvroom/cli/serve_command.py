@@ -64,6 +64,10 @@ def add_serve_command(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return cmd_serve_vllm(args)
+    given = [f for f in ("vllm_python", "vllm_block_size", "vllm_pool") if getattr(args, f)]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise ConfigError(f"{flags}: only used with --engine vllm")
     sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
     try:
         from kvroom.llm import LLM
