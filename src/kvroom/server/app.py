@@ -141,13 +141,10 @@ def _check_request(s: ServerState, body: CompletionRequest | ChatCompletionReque
         )
     unsupported = body.unsupported_params()
     if unsupported:
-        names = ", ".join(f"'{name}'" for name in unsupported)
-        raise ApiError(
-            400,
-            f"unsupported parameter(s): {names}; kvroom serves n=1 without logprobs, "
-            "penalties, logit_bias, tools or response formats: leave them unset",
-            param=unsupported[0],
-            code="unsupported_parameter",
+        raise unsupported_params_error(
+            unsupported,
+            "kvroom serves n=1 without logprobs, penalties, logit_bias, tools or response "
+            "formats: leave them unset",
         )
 
 
@@ -255,17 +252,23 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return json_response(error.body, error.status)
 
 
+def unsupported_params_error(names: Sequence[str], remedy: str) -> ApiError:
+    """400 naming every unsupported parameter (the first one as ``param``)."""
+    quoted = ", ".join(f"'{name}'" for name in names)
+    return ApiError(
+        400,
+        f"unsupported parameter(s): {quoted}; {remedy}",
+        param=names[0],
+        code="unsupported_parameter",
+    )
+
+
 def validation_api_error(errors: Sequence[Any]) -> ApiError:
     """One OpenAI-style 400 for pydantic's errors: unknown fields first, then the first field."""
     extra = [_path(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
     if extra:
-        names = ", ".join(f"'{name}'" for name in extra)
-        return ApiError(
-            400,
-            f"unsupported parameter(s): {names}; see the OpenAI API reference for the fields "
-            "kvroom accepts",
-            param=extra[0],
-            code="unsupported_parameter",
+        return unsupported_params_error(
+            extra, "see the OpenAI API reference for the fields kvroom accepts"
         )
     first = errors[0]
     path = _path(first["loc"])
