@@ -60,17 +60,25 @@ def test_override_is_served_artifact_untouched_and_sigterm_drains_then_exits_0(
     assert server.metrics()["kvroom_kv_cache_num_free_blocks"] == 40
     assert config.read_bytes() == original
 
+    chunks = sigterm_mid_stream(server)
+    assert not any(isinstance(c, Exception) for c in chunks), chunks[-1]
+    assert chunks[-1].choices[0].finish_reason == "length"  # in flight at SIGTERM: finished
+    assert "kvroom serve: server stopped" in server.log
+    assert "Traceback" not in server.log, server.log
+    assert config.read_bytes() == original
+
+
+def sigterm_mid_stream(server) -> list:
+    """Start a streamed request, SIGTERM the server at its first chunk (exit code 0 asserted),
+    and return what the stream received once its reader has ended."""
     first_chunk, chunks = threading.Event(), []
     reader = threading.Thread(target=read_stream, args=(server, first_chunk, chunks))
     reader.start()
     assert first_chunk.wait(30)
     assert server.terminate() == 0, server.log
     reader.join(30)
-    assert not any(isinstance(c, Exception) for c in chunks), chunks[-1]
-    assert chunks[-1].choices[0].finish_reason == "length"  # in flight at SIGTERM: finished
-    assert "kvroom serve: server stopped" in server.log
-    assert "Traceback" not in server.log, server.log
-    assert config.read_bytes() == original
+    assert not reader.is_alive()
+    return chunks
 
 
 def test_persist_writes_the_chosen_size_and_a_drain_timeout_aborts(artifact_copy, tmp_path):
@@ -83,13 +91,7 @@ def test_persist_writes_the_chosen_size_and_a_drain_timeout_aborts(artifact_copy
     assert config.read_bytes() != original
     assert get_kvcache_num_blocks(artifact_copy) == 48
 
-    first_chunk, chunks = threading.Event(), []
-    reader = threading.Thread(target=read_stream, args=(server, first_chunk, chunks))
-    reader.start()
-    assert first_chunk.wait(30)
-    assert server.terminate() == 0, server.log
-    reader.join(30)
-    assert not reader.is_alive()
+    sigterm_mid_stream(server)
     assert "kvroom serve: server stopped" in server.log
 
 
