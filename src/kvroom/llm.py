@@ -2,7 +2,8 @@
 
 llm = LLM("artifacts/smollm2-135m", kvcache_num_blocks="auto")
 outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-outs[0].text, outs[0].token_ids
+outs[0].text, outs[0].token_ids          # the first choice
+outs[0].outputs[i].logprobs                # vLLM's shape: one CompletionOutput per choice
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvroom.artifact.resize import startup_plan
 from kvroom.engine.engine import RequestOutput
+from kvroom.engine.output import TokenLogprobs
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
 from kvroom.runtime import Runtime, build_runtime
@@ -26,15 +28,46 @@ Message = Mapping[str, str]
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: one token's logprob under the raw model output, rank, and text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+LogprobDict = dict[int, Logprob]
+"""Per position: the token itself first, then the requested most likely tokens (vLLM)."""
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One choice of a prompt (vLLM's ``CompletionOutput``)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    """Generated tokens (stop token kept, stop string's tokens kept, text cut before it)."""
+    cumulative_logprob: float | None
+    logprobs: list[LogprobDict] | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
 class GenerationResult:
-    """One finished request, in the order of the prompts given."""
+    """One prompt's result, in the order of the prompts given (vLLM's ``RequestOutput``)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
-    """Generated tokens (stop token kept, stop string's tokens kept, text cut before it)."""
+    """The first choice's tokens (``outputs[0].token_ids``)."""
     text: str
+    """The first choice's text."""
     finish_reason: str | None
+    outputs: tuple[CompletionOutput, ...] = ()
+    """``SamplingParams.n`` choices (the best ``n`` of ``best_of`` by cumulative logprob)."""
+    prompt_logprobs: list[LogprobDict | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: None for the first prompt token, then one dict."""
 
 
 class LLM:
@@ -136,12 +169,14 @@ class LLM:
     ) -> list[GenerationResult]:
         params = _as_params_list(sampling_params, len(token_lists))
         engine = self.runtime.engine
-        ids: list[str] = []
+        ids: list[list[str]] = []
         try:
             for tokens, p in zip(token_lists, params, strict=True):
-                ids.append(engine.add_request(tokens, p))
+                ids.append([])
+                for i in range(p.num_sequences):
+                    ids[-1].append(engine.add_request(tokens, p.child(i)))
         except Exception:
-            for request_id in ids:
+            for request_id in (r for group in ids for r in group):
                 engine.abort(request_id)
             while engine.has_unfinished():
                 engine.step()
@@ -152,15 +187,57 @@ class LLM:
                 if out.finished:
                     finals[out.request_id] = out
         return [
-            GenerationResult(
-                request_id=rid,
-                prompt_token_ids=tuple(tokens),
-                token_ids=finals[rid].output_token_ids,
-                text=finals[rid].text or "",
-                finish_reason=finals[rid].finish_reason,
-            )
-            for rid, tokens in zip(ids, token_lists, strict=True)
+            self._result([finals[r] for r in group], tokens, p)
+            for group, tokens, p in zip(ids, token_lists, params, strict=True)
         ]
+
+    def _result(
+        self, finals: list[RequestOutput], tokens: list[int], params: SamplingParams
+    ) -> GenerationResult:
+        choices = best_choices(finals, params)
+        outputs = tuple(
+            CompletionOutput(
+                index=i,
+                text=out.text or "",
+                token_ids=out.output_token_ids,
+                cumulative_logprob=out.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=self._logprob_dicts(out.logprobs) if params.logprobs is not None else None,
+                finish_reason=out.finish_reason,
+            )
+            for i, out in enumerate(choices)
+        )
+        prompt_lps = finals[0].prompt_logprobs
+        return GenerationResult(
+            request_id=finals[0].request_id,
+            prompt_token_ids=tuple(tokens),
+            token_ids=outputs[0].token_ids,
+            text=outputs[0].text,
+            finish_reason=outputs[0].finish_reason,
+            outputs=outputs,
+            prompt_logprobs=None if prompt_lps is None else self._logprob_dicts(prompt_lps),
+        )
+
+    def _logprob_dicts(self, entries: Sequence[TokenLogprobs | None] | None) -> list[Any]:
+        return [None if e is None else logprob_dict(e, self._decode_one) for e in entries or ()]
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def best_choices(finals: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """The ``n`` choices to return: all of them, or the best ``n`` of ``best_of`` (stable)."""
+    if not params.ranks_by_logprob:
+        return finals
+    ranked = sorted(finals, key=lambda out: -(out.cumulative_logprob or 0.0))
+    return ranked[: params.n]
+
+
+def logprob_dict(entry: TokenLogprobs, decode: Callable[[int], str]) -> LogprobDict:
+    """vLLM's per-position dict: the token itself, then the most likely tokens."""
+    out = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+    for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+        out.setdefault(token_id, Logprob(logprob, rank, decode(token_id)))
+    return out
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -103,7 +103,7 @@ def _detokenizer(tokenizer: Any | None) -> Any | None:
     if tokenizer is None:
         return None
 
-    def detokenize(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+    def detokenize(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     return detokenize

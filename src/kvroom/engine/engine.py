@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvroom.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from kvroom.engine.output import SchedulerOutput
+from kvroom.engine.output import SchedulerOutput, StepResult, TokenLogprobs
 from kvroom.engine.sampling import SamplingParams
 from kvroom.engine.scheduler import Scheduler
 from kvroom.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -48,6 +48,13 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     """'stop' (EOS, stop token, stop string), 'length' (max_tokens) or 'abort'."""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """Per generated token, when ``params.logprobs`` is set."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """Per prompt token (None for the first), when ``params.prompt_logprobs`` is set; present
+    from the first output that carries a token."""
+    cumulative_logprob: float | None = None
+    """Sum of ``logprobs`` (vLLM's name), when they are reported."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class _Request:
     num_checked_chars: int = 0
     """Prefix of ``text`` already searched for stop strings (and stable)."""
     stopped_by_string: bool = False
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLMEngine:
@@ -134,8 +143,11 @@ class LLMEngine:
             )
         seq = Sequence(seq_id, tuple(prompt_token_ids), params, self.eos_token_ids)
         self.scheduler.add(seq)
-        detokenizer = IncrementalDetokenizer(self.detokenize) if self.detokenize else None
-        request = _Request(request_id, seq, detokenizer)
+        request = _Request(request_id, seq, self._detokenizer(params))
+        if params.logprobs is not None:
+            request.logprobs = []
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * seq.prompt_len
         self._requests[request_id] = request
         self._by_seq[seq_id] = request
         return request_id
@@ -163,6 +175,8 @@ class LLMEngine:
         output = self.scheduler.schedule()
         sampled = {} if output.is_empty else self.runner.execute(output)
         updated = self.scheduler.update(output, sampled)
+        if isinstance(sampled, StepResult):
+            self._record_logprobs(sampled)
         results, self._pending = self._pending, []
         return results + [self._emit(seq) for seq in updated]
 
@@ -185,6 +199,27 @@ class LLMEngine:
         )
 
     # -- per-token bookkeeping -----------------------------------------------------------
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.detokenize is None:
+            return None
+        if params.skip_special_tokens:
+            return IncrementalDetokenizer(self.detokenize)
+        detokenize = self.detokenize
+        return IncrementalDetokenizer(lambda ids: detokenize(ids, skip_special_tokens=False))  # type: ignore[call-arg]
+
+    def _record_logprobs(self, result: StepResult) -> None:
+        """Keep what the runner reported; a recomputed prompt position keeps its first report."""
+        for seq_id, found in result.prompt_logprobs.items():
+            request = self._by_seq.get(seq_id)
+            if request is not None and request.prompt_logprobs is not None:
+                for pos, lp in found:
+                    if request.prompt_logprobs[pos] is None:
+                        request.prompt_logprobs[pos] = lp
+        for seq_id, lp in result.logprobs.items():
+            request = self._by_seq.get(seq_id)
+            if request is not None and request.logprobs is not None:
+                request.logprobs.append(lp)
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         """Turn a sequence's new token into a ``RequestOutput``, applying stop strings."""
@@ -215,12 +250,14 @@ class LLMEngine:
         seq = request.seq
         text = request.detokenizer.update(seq.output_token_ids, finished=seq.is_finished)
         stops = seq.params.stop
-        if stops:
+        if stops and len(seq.output_token_ids) >= seq.params.min_tokens:
             longest = max(len(s) for s in stops)
             start = max(0, request.num_checked_chars - longest + 1)
             cut = _first_stop(text, stops, start)
             request.num_checked_chars = len(text.rstrip(REPLACEMENT_CHAR))
             if cut is not None:
+                if seq.params.include_stop_str_in_output:
+                    cut += _stop_len(text, stops, cut)
                 text = text[:cut]
                 request.stopped_by_string = True
         request.text = text
@@ -233,6 +270,10 @@ class LLMEngine:
             text = request.text
             if not seq.is_finished:
                 text = text[: len(text) - _held_back(text, seq.params.stop)]
+        logprobs = None if request.logprobs is None else tuple(request.logprobs)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and seq.output_token_ids:
+            prompt_logprobs = tuple(request.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new,
@@ -240,6 +281,9 @@ class LLMEngine:
             text=text,
             finished=seq.is_finished,
             finish_reason=reason,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=None if logprobs is None else sum(lp.logprob for lp in logprobs),
         )
 
     def _retire(self, request: _Request) -> None:
@@ -253,6 +297,11 @@ def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     """Index where the earliest stop string begins in ``text[start:]``, or None."""
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def _stop_len(text: str, stops: tuple[str, ...], cut: int) -> int:
+    """Length of the (longest) stop string that starts at ``cut``."""
+    return max(len(s) for s in stops if text.startswith(s, cut))
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from kvroom.engine.kv_cache import KVCachePool
-from kvroom.engine.output import ScheduledSeq, SchedulerOutput
+from kvroom.engine.output import ScheduledSeq, SchedulerOutput, StepResult
+from kvroom.engine.prompt_logprobs import Found, PromptLogprobs, wants_prompt_logprobs
 from kvroom.engine.sampler import Sampler
 from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
@@ -50,24 +51,26 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(self.device)
+        self.prompt_logprobs = PromptLogprobs()
+        self._found_prompt_logprobs: Found = {}
+        """Prompt logprobs of the forward in progress (set by ``compute_logits``)."""
 
-    def execute(self, output: SchedulerOutput) -> dict[int, int]:
+    def execute(self, output: SchedulerOutput) -> StepResult:
         """Run one step.
 
         Returns:
-            ``seq_id -> sampled token`` for every scheduled sequence with ``needs_sample``.
+            ``seq_id -> sampled token`` for every scheduled sequence with ``needs_sample``,
+            with the logprobs that the sequences' params ask for.
         """
+        self.sampler.history.record(output.seqs)
         seqs, logits = self.compute_logits(output)
+        prompt_logprobs, self._found_prompt_logprobs = self._found_prompt_logprobs, {}
         if not seqs:
-            return {}
-        tokens = self.sampler.sample(
-            logits,
-            [s.sampling for s in seqs],
-            [s.seq_id for s in seqs],
-            [s.num_generated for s in seqs],
-        )
+            return StepResult({}, prompt_logprobs=prompt_logprobs)
+        tokens, logprobs = self.sampler.sample_step(logits, seqs)
         self.pool.start_populating()
-        return {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
+        sampled = {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
+        return StepResult(sampled, logprobs, prompt_logprobs)
 
     @torch.inference_mode()
     def compute_logits(self, output: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor]:
@@ -90,6 +93,10 @@ class ModelRunner:
             self.pool.layers,
             meta,
         )
+        if any(wants_prompt_logprobs(s) for s in seqs):
+            self._found_prompt_logprobs = self.prompt_logprobs.compute(
+                seqs, hidden, self.model.compute_logits
+            )
         sampled = [s for s in seqs if s.needs_sample]
         if not sampled:
             return [], hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
@@ -100,6 +107,7 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """Drop per-sequence runner state (the sampling generator) of a finished sequence."""
         self.sampler.release(seq_id)
+        self.prompt_logprobs.release(seq_id)
 
 
 def _decodes_first(seqs: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:

@@ -32,6 +32,9 @@ class ScheduledSeq:
     """How to sample; ``sampling.seed`` seeds a per-sequence generator kept by the runner."""
     num_generated: int = 0
     """Tokens generated so far (a recomputed preempted sequence keeps its count)."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """EOS and stop ids the sampler masks while ``num_generated < sampling.min_tokens``
+    (set only when ``min_tokens`` is)."""
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,34 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's logprob under the raw model output, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 for the most likely token of its position."""
+    top: tuple[tuple[int, float], ...] = ()
+    """``(token_id, logprob)`` of the k most likely tokens, most likely first."""
+
+
+class StepResult(dict[int, int]):
+    """``seq_id -> sampled token`` (what the scheduler records), plus what requests asked for.
+
+    A ``dict`` so that a runner may return a plain one (test fakes do); the extras are empty.
+    """
+
+    def __init__(
+        self,
+        tokens: dict[int, int],
+        logprobs: dict[int, TokenLogprobs] | None = None,
+        prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] | None = None,
+    ) -> None:
+        super().__init__(tokens)
+        self.logprobs = logprobs or {}
+        """seq_id -> the sampled token's logprobs, for sequences whose params ask."""
+        self.prompt_logprobs = prompt_logprobs or {}
+        """seq_id -> ``(position, logprobs)`` of prompt tokens computed this step."""

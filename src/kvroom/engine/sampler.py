@@ -1,6 +1,8 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched next-token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
-Order of the transforms (as HF and vLLM): temperature -> top-k -> top-p -> sample.
+Order of the transforms (as vLLM): min_tokens / logit bias / penalties (``penalties.py``) ->
+greedy argmax, or temperature -> min_p -> top-k -> top-p -> sample. Logprobs are computed from
+the logits as they came in (``logprobs.py``).
 
 Reproducibility. A seeded request samples token ``k`` (``k`` = tokens generated so far) from a
 generator seeded with ``mix(seed, k)``. Its output therefore depends only on its own logits,
@@ -14,6 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvroom.engine.logprobs import token_logprobs
+from kvroom.engine.output import ScheduledSeq, TokenLogprobs
+from kvroom.engine.penalties import TokenHistory, process_logits
 from kvroom.engine.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -35,10 +40,34 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}
         self._unseeded = torch.Generator(device=self.device)
         self._unseeded.seed()
+        self.history = TokenHistory()
+        """Tokens of penalised sequences; the runner records every scheduled chunk."""
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished or aborted sequence's generator."""
+        """Forget a finished or aborted sequence's generator and history."""
         self._generators.pop(seq_id, None)
+        self.history.release(seq_id)
+
+    def sample_step(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]
+    ) -> tuple[list[int], dict[int, TokenLogprobs]]:
+        """Next token of each sequence (row ``i`` of ``logits`` is ``seqs[i]``'s last position).
+
+        Returns:
+            The tokens, and ``seq_id -> logprobs`` for the sequences whose params ask.
+        """
+        params = [s.sampling for s in seqs]
+        x = logits
+        if any(p.processes_logits for p in params):
+            x = process_logits(logits, seqs, self.history)
+        tokens = self._sample(x, params, [s.seq_id for s in seqs], [s.num_generated for s in seqs])
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return tokens.tolist(), {}
+        index = torch.tensor(rows, device=logits.device)
+        num_top = [params[i].logprobs or 0 for i in rows]
+        found = token_logprobs(logits[index], tokens[index], num_top)
+        return tokens.tolist(), {seqs[i].seq_id: lp for i, lp in zip(rows, found, strict=True)}
 
     def sample(
         self,
@@ -58,8 +87,17 @@ class Sampler:
         Returns:
             N token ids, as Python ints (the step's one host sync).
         """
+        return self._sample(logits, params, seq_ids, num_generated).tolist()
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seq_ids: Sequence[int],
+        num_generated: Sequence[int],
+    ) -> torch.Tensor:
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         probs = filtered_probs(logits, params)
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -74,7 +112,7 @@ class Sampler:
             if not p.greedy and p.seed is not None:
                 gen = self._generator(seq_ids[i], mix_seed(p.seed, num_generated[i]))
                 tokens[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
-        return tokens.tolist()
+        return tokens
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         gen = self._generators.get(seq_id)
@@ -84,9 +122,12 @@ class Sampler:
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (greedy rows come out unfiltered)."""
+    """Probabilities after temperature, min-p, top-k and top-p (greedy rows come out unfiltered)."""
     temps = [1.0 if p.greedy else p.temperature for p in params]
     x = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+    min_ps = [0.0 if p.greedy else p.min_p for p in params]
+    if any(min_ps):
+        x = _min_p(x, min_ps)
     ks = [p.top_k if p.top_k > 0 and not p.greedy else 0 for p in params]
     if any(ks):
         x = _top_k(x, ks)
@@ -94,6 +135,13 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     if any(tp < 1.0 for tp in top_ps):
         x = _top_p(x, top_ps)
     return x.softmax(dim=-1)
+
+
+def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the row's most likely token."""
+    probs = x.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, device=x.device)[:, None]
+    return x.masked_fill(probs < floor, float("-inf"))
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
