@@ -67,7 +67,9 @@ def test_logprobs_of_generated_tokens_are_the_raw_model_output(llm: LLM, hf) -> 
         assert entry[token].rank == 1  # greedy
         assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
         assert list(entry) == row.topk(2).indices.tolist()
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
 
 
 def test_n_choices_are_independent_and_seeded_per_choice(llm: LLM) -> None:
@@ -77,7 +79,9 @@ def test_n_choices_are_independent_and_seeded_per_choice(llm: LLM) -> None:
     assert len({o.token_ids for o in first.outputs}) > 1
     again = llm.generate([PROMPT], params)[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
-    one = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True))
+    one = llm.generate(
+        [PROMPT], SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True)
+    )
     assert one[0].token_ids == first.outputs[1].token_ids  # choice i uses seed + i
 
 
@@ -98,7 +102,11 @@ def test_logit_bias_forces_a_token(llm: LLM) -> None:
 
 def test_repetition_and_frequency_penalties_change_greedy_output(llm: LLM, hf) -> None:  # noqa: ANN001
     plain = llm.generate([[7] * 8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for kwargs in ({"repetition_penalty": 5.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+    for kwargs in (
+        {"repetition_penalty": 5.0},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+    ):
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **kwargs)
         out = llm.generate([[7] * 8], params)[0].token_ids
         assert out != plain[0].token_ids, kwargs

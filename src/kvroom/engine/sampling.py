@@ -84,9 +84,17 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, ">= 0 or -1")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(
-            -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]"
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            self.presence_penalty,
+            "in [-2, 2]",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "in [-2, 2]",
         )
         _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an int")
@@ -115,7 +123,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             expected = f"None or an int in [0, {MAX_LOGPROBS}]"
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name, value, expected)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                value,
+                expected,
+            )
 
     @property
     def greedy(self) -> bool:
