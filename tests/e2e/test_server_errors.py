@@ -95,14 +95,23 @@ CASES = [
     ),
     ("empty-prompt", C, completion(prompt=""), 400, "prompt", r"^the prompt is empty; send"),
     ("token-id-outside-vocab", C, completion(prompt=[1, 300]), 400, "prompt", r"\[0, 300\)"),
-    ("two-prompts", C, completion(prompt=["a", "b"]), 400, "prompt", r"holds 2 prompts"),
+    ("empty-prompt-list", C, completion(prompt=[]), 400, "prompt", r"'prompt' is empty"),
     ("temperature-above-2", C, completion(temperature=5), 400, "temperature", r"less than or"),
     ("top-p-zero", C, completion(top_p=0), 400, "top_p", r"greater than 0"),
     ("unknown-model", C, completion(model="gpt-4"), 404, "model", r"'gpt-4' does not exist"),
-    ("n-2", C, completion(n=2), 400, "n", r"^unsupported parameter\(s\): 'n';"),
-    ("logprobs", C, completion(logprobs=2), 400, "logprobs", r"'logprobs'"),
-    ("echo", C, completion(echo=True), 400, "echo", r"'echo'"),
-    ("penalty", CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", r"presence_penalty"),
+    ("n-above-batch", C, completion(n=5), 400, "n", r"'n' is 5, .* at most 4 .*batch_size"),
+    ("n-zero", C, completion(n=0), 400, "n", r"greater than or equal to 1"),
+    ("best-of-below-n", C, completion(n=3, best_of=2), 400, "best_of", r">= n \(3\)"),
+    ("best-of-stream", C, completion(n=1, best_of=2, stream=True), 400, "best_of", "streamed"),
+    ("logprobs-21", C, completion(logprobs=21), 400, "logprobs", r"less than or equal to 20"),
+    ("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "20"),
+    ("top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "top_logprobs", r"needs 'logprobs'"),
+    ("penalty", CHAT, chat(presence_penalty=3), 400, "presence_penalty", r"less than or equal"),
+    ("repetition-zero", C, completion(repetition_penalty=0), 400, "repetition_penalty", "than 0"),
+    ("logit-bias-key", C, completion(logit_bias={"x": 1}), 400, "logit_bias", r"'x' is not"),
+    ("logit-bias-vocab", C, completion(logit_bias={"999": 1}), 400, "logit_bias", r"\[0, 300\)"),
+    ("stop-id-vocab", C, completion(stop_token_ids=[300]), 400, "stop_token_ids", r"300"),
+    ("min-tokens", C, completion(min_tokens=9), 400, "min_tokens", r"max_tokens=4"),
     ("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", r"'tools'"),
     ("unknown-field", C, completion(foo=1, bar=2), 400, "foo", r"'foo', 'bar'"),
     ("empty-stop-string", C, completion(stop=[""]), 400, "stop", r"at least 1 character"),
@@ -138,8 +147,8 @@ def test_the_openai_client_raises_typed_errors(server):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     assert not_found.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
-    assert bad.value.body["code"] == "unsupported_parameter"
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=9)
+    assert bad.value.body["param"] == "n"
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
 
 

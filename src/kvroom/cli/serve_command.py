@@ -45,6 +45,17 @@ def add_serve_command(sub: Any) -> None:
         help="model name clients send (default: the artifact path as given)",
     )
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVROOM_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="refuse larger request bodies with a 413 (default 32 MiB)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -76,7 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.artifact, **startup_overrides(args))
         plan = llm.runtime.plan
         note = persist(args.artifact, plan.num_blocks) if args.persist else "artifact unchanged"
-        app = create_app(llm, served_model_name=args.served_model_name or args.artifact)
+        app = create_app(
+            llm, served_model_name=args.served_model_name or args.artifact, **_http_options(args)
+        )
         host, port = sock.getsockname()[:2]
         _say(f"{plan.summary_line()} ({note})")
         _say(f"serving {args.artifact} on {_url(host, port)} (OpenAI API under /v1)")
@@ -85,6 +98,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     _say("server stopped")
     return 0
+
+
+def _http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_app``'s API key and body cap from the flags (and ``$KVROOM_API_KEY``)."""
+    import os
+
+    from kvroom.server.auth import API_KEY_ENV
+
+    options: dict[str, Any] = {"api_key": args.api_key or os.environ.get(API_KEY_ENV) or None}
+    if args.max_request_bytes is not None:
+        if args.max_request_bytes <= 0:
+            raise ConfigError(f"--max-request-bytes: must be > 0, got {args.max_request_bytes}")
+        options["max_request_bytes"] = args.max_request_bytes
+    return options
 
 
 def cmd_serve_vllm(args: argparse.Namespace) -> int:

@@ -2,65 +2,78 @@
 
 A request's way through (``/v1/completions`` and ``/v1/chat/completions`` share it):
 
-1. pydantic parses the body (``protocol``); a bad body is a 400 naming the parameter;
-2. the model name, unsupported parameters and the prompt (text, token ids, or messages through
-   the chat template) are checked, and the prompt is tokenized here, on the event loop, with the
-   app's own tokenizer copy (the engine loop thread decodes with the engine's: a fast tokenizer
-   is not safe to use from two threads at once);
-3. ``serving.serve_job`` waits for the engine's admission verdict (``AdmissionError``: too long,
-   larger than the pool, is a 400, never a request queued forever), then streams or collects.
+1. the body cap (``limits``) and, with an API key, the bearer check (``auth``) run first;
+2. pydantic parses the body (``protocol``); a bad body is a 400 naming the parameter;
+3. the model name, unsupported parameters and the prompts (text, token ids, lists of either,
+   or messages through the chat template) are checked, and text is tokenized in the
+   tokenizer pool, off the event loop (``prompts``, ``tokenization``);
+4. ``serving.serve_job`` fans the request out into one engine request per choice, waits for
+   the engine's admission verdict (``AdmissionError``: too long, larger than the pool, is a
+   400, never a request queued forever), then streams or collects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import signal
 import socket
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
-import jinja2
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvroom.engine.sampling import SamplingParams
-from kvroom.errors import ConfigError
 from kvroom.llm import LLM
 from kvroom.server.async_engine import AsyncEngine
+from kvroom.server.auth import add_api_key_check
+from kvroom.server.errors import add_error_handlers, unsupported_params_error
+from kvroom.server.formats import ChatFormat, CompletionFormat
+from kvroom.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from kvroom.server.metrics import ServerMetrics
-from kvroom.server.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
+from kvroom.server.prompts import (
+    SamplingBody,
+    chat_prompt_ids,
+    completion_prompts,
+    sampling_params,
 )
-from kvroom.server.serving import Job, ServerState, json_response, serve_job
+from kvroom.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvroom.server.responses import ModelCard, ModelList
+from kvroom.server.serving import Job, Prompt, ServerState, json_response, serve_job
+from kvroom.server.tokenization import TokenizerPool
+from kvroom.server.tokenize import router as tokenize_router
 
 router = APIRouter()
 
 
-def create_app(llm: LLM, *, served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does."""
+def create_app(
+    llm: LLM,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does.
+
+    Args:
+        api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>``.
+        max_request_bytes: larger request bodies are refused with a 413 before parsing.
+    """
     runtime = llm.runtime
     engine = AsyncEngine(runtime.engine)
+    cfg = runtime.info.config
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(lambda: engine.stats),
-        tokenizer=copy.deepcopy(llm.tokenizer),
+        tokenizers=TokenizerPool(llm.tokenizer),
         model_name=served_model_name or str(runtime.info.folder),
         artifact=str(runtime.info.folder),
-        max_seq_len=runtime.info.config.max_seq_len,
+        max_seq_len=cfg.max_seq_len,
         vocab_size=runtime.spec.vocab_size,
+        max_num_seqs=cfg.batch_size,
+        block_size=cfg.kvcache_block_size,
     )
 
     @contextlib.asynccontextmanager
@@ -70,14 +83,16 @@ def create_app(llm: LLM, *, served_model_name: str | None = None) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(engine.shutdown)
+            state.tokenizers.shutdown()
 
     app = FastAPI(title="kvroom", lifespan=lifespan)
     app.state.kvroom = state
     app.include_router(router)
-    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(tokenize_router)
+    add_error_handlers(app)
+    if api_key:
+        add_api_key_check(app, api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     return app
 
 
@@ -110,28 +125,61 @@ async def models(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     s = _state(request)
-    _check_request(s, body)
-    prompt_ids = _completion_prompt_ids(s, body.prompt)
+    check_request(s, body)
+    if body.stream and body.best_of is not None and body.best_of > body.n:
+        raise ApiError(
+            400,
+            "'best_of' > n cannot be streamed; drop stream or best_of",
+            param="best_of",
+            code="invalid_value",
+        )
+    echo = bool(body.echo)
+    prompts = await completion_prompts(s, body.prompt, echo)
+    wants_prompt_lps = echo and body.logprobs is not None
+    prompt_logprobs = body.logprobs if wants_prompt_lps else body.prompt_logprobs
+    params = sampling_params(
+        s,
+        body,
+        prompts,
+        body.max_tokens,
+        "prompt",
+        logprobs=body.logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    fmt = CompletionFormat(request_id, s.model_name)
-    return await serve_job(s, _job(s, body, prompt_ids, body.max_tokens, fmt, "prompt"), request)
+    fmt = CompletionFormat(request_id, s.model_name, s.tokenizers.token_text, body.logprobs)
+    job = Job(request_id, prompts, params, fmt, body.stream, body.include_usage, "prompt", echo)
+    return await serve_job(s, job, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     s = _state(request)
-    _check_request(s, body)
-    prompt_ids = _chat_prompt_ids(s, body)
+    check_request(s, body)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(
+            400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+        )
+    messages = [m.as_template_input() for m in body.messages]
+    prompts = [Prompt(await chat_prompt_ids(s, messages), "")]
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(
+        s,
+        body,
+        prompts,
+        body.max_new_tokens,
+        "messages",
+        logprobs=logprobs,
+        prompt_logprobs=body.prompt_logprobs,
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    fmt = ChatFormat(request_id, s.model_name)
-    job = _job(s, body, prompt_ids, body.max_new_tokens, fmt, "messages")
+    fmt = ChatFormat(request_id, s.model_name, s.tokenizers.token_text, logprobs)
+    job = Job(request_id, prompts, params, fmt, body.stream, body.include_usage, "messages")
     return await serve_job(s, job, request)
 
 
-# -- validation --------------------------------------------------------------------------
-
-
-def _check_request(s: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+def check_request(s: ServerState, body: SamplingBody) -> None:
+    """The model name, and no parameter kvroom declares but does not implement."""
     if body.model is not None and body.model != s.model_name:
         raise ApiError(
             404,
@@ -142,166 +190,8 @@ def _check_request(s: ServerState, body: CompletionRequest | ChatCompletionReque
     unsupported = body.unsupported_params()
     if unsupported:
         raise unsupported_params_error(
-            unsupported,
-            "kvroom serves n=1 without logprobs, penalties, logit_bias, tools or response "
-            "formats: leave them unset",
+            unsupported, "kvroom does not serve tools, response formats or suffix: leave them unset"
         )
-
-
-def _completion_prompt_ids(s: ServerState, prompt: str | list[Any]) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                f"'prompt' holds {len(prompt)} prompts; kvroom takes one prompt per request: "
-                "send one request for each",
-                param="prompt",
-                code="unsupported_parameter",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return s.encode(prompt)
-    outside = [t for t in prompt if not 0 <= t < s.vocab_size]
-    if outside:
-        raise ApiError(
-            400,
-            f"'prompt': token id {outside[0]} is outside the vocabulary [0, {s.vocab_size})",
-            param="prompt",
-            code="invalid_value",
-        )
-    return list(prompt)
-
-
-def _chat_prompt_ids(s: ServerState, body: ChatCompletionRequest) -> list[int]:
-    if not getattr(s.tokenizer, "chat_template", None):
-        raise ApiError(
-            400,
-            "this model's tokenizer has no chat template; use /v1/completions",
-            param="messages",
-        )
-    messages = [m.as_template_input() for m in body.messages]
-    try:
-        ids = s.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    except jinja2.TemplateError as exc:
-        raise ApiError(
-            400, f"the chat template rejected these messages: {exc}", param="messages"
-        ) from exc
-    return list(ids)
-
-
-def _job(
-    s: ServerState,
-    body: CompletionRequest | ChatCompletionRequest,
-    prompt_ids: list[int],
-    max_tokens: int | None,
-    fmt: CompletionFormat,
-    prompt_param: str,
-) -> Job:
-    """Sampling parameters of ``body``; ``max_tokens`` None means "up to max_seq_len"."""
-    if max_tokens is None:
-        max_tokens = s.max_seq_len - len(prompt_ids)
-        if max_tokens <= 0:
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate "
-                f"within max_seq_len ({s.max_seq_len}); shorten the prompt",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    try:
-        params = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            max_tokens=max_tokens,
-            seed=body.seed,
-            stop=stop,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-        )
-    except ConfigError as exc:
-        raise ApiError(400, str(exc), code="invalid_value") from exc
-    return Job(
-        fmt.request_id, prompt_ids, params, fmt, body.stream, body.include_usage, prompt_param
-    )
-
-
-# -- errors ------------------------------------------------------------------------------
-
-
-async def _api_error(request: Request, exc: ApiError) -> Response:
-    return json_response(exc.body, exc.status)
-
-
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    error = validation_api_error(exc.errors())
-    return json_response(error.body, error.status)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    error = ApiError(exc.status_code, str(exc.detail), code=None)
-    return json_response(error.body, error.status)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    # Starlette logs the traceback and re-raises after this response is sent.
-    error = ApiError(500, f"internal server error: {exc!r}", type="server_error")
-    return json_response(error.body, error.status)
-
-
-def unsupported_params_error(names: Sequence[str], remedy: str) -> ApiError:
-    """400 naming every unsupported parameter (the first one as ``param``)."""
-    quoted = ", ".join(f"'{name}'" for name in names)
-    return ApiError(
-        400,
-        f"unsupported parameter(s): {quoted}; {remedy}",
-        param=names[0],
-        code="unsupported_parameter",
-    )
-
-
-def validation_api_error(errors: Sequence[Any]) -> ApiError:
-    """One OpenAI-style 400 for pydantic's errors: unknown fields first, then the first field."""
-    extra = [_path(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
-    if extra:
-        return unsupported_params_error(
-            extra, "see the OpenAI API reference for the fields kvroom accepts"
-        )
-    first = errors[0]
-    path = _path(first["loc"])
-    if first["type"] == "json_invalid":
-        reason = first.get("ctx", {}).get("error", first["msg"])
-        return ApiError(400, f"malformed JSON body: {reason}", code="invalid_json")
-    if not path:
-        return ApiError(400, "the request body must be a JSON object", code="invalid_body")
-    if first["type"] == "missing":
-        return ApiError(
-            400, f"missing required parameter '{path}'", param=path, code="missing_parameter"
-        )
-    param = path.split(".")[0]
-    same = [e for e in errors if _path(e["loc"]).split(".")[0] == param][:4]
-    detail = "; ".join(e["msg"] if _path(e["loc"]) == param else _where(e) for e in same)
-    code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
-    return ApiError(
-        400, f"invalid '{param}': {detail} (got {_short(first['input'])})", param=param, code=code
-    )
-
-
-def _where(error: Any) -> str:
-    return f"{_path(error['loc'])}: {error['msg']}"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _path(loc: Sequence[Any]) -> str:
-    """``('body', 'messages', 0, 'role')`` -> ``'messages.0.role'``."""
-    return ".".join(str(p) for p in loc if p != "body")
 
 
 # -- running -----------------------------------------------------------------------------

@@ -1,21 +1,26 @@
 """The OpenAI HTTP schema: pydantic models for requests, responses, stream chunks and errors.
 
-This is the only module of kvroom that uses pydantic (rule 14). Requests are strict (no
-``"16"`` for an int, no ``true`` for a number) and closed: an unknown field is an unsupported
-parameter, named in the 400. Fields that OpenAI defines but kvroom does not implement are
-declared so that their *default* value passes (clients that send ``"n": 1`` or
-``"logprobs": null`` keep working) and any other value is rejected by ``unsupported_params``.
+Requests live here, responses in ``responses.py``; the two are the only modules of kvroom
+that use pydantic (rule 14). Requests are strict (no ``"16"`` for an int, no ``true`` for a
+number) and closed: an unknown field is an unsupported parameter, named in the 400. Fields
+that OpenAI defines but kvroom does not implement are declared so that their *default* value
+passes (clients that send ``"tools": []`` keep working) and any other value is rejected by
+``unsupported_params``. The sampling fields are vLLM's OpenAI server's, with its names.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvroom.engine.sampling import MAX_LOGPROBS
+from kvroom.server.responses import ErrorInfo, ErrorResponse
+
 INT64_MAX = 2**63 - 1
 StopStr = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class ApiError(Exception):
@@ -52,12 +57,7 @@ class StreamOptions(_Request):
 class _SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "n": (1, None),
-        "presence_penalty": (0, 0.0, None),
-        "frequency_penalty": (0, 0.0, None),
-        "logit_bias": (None, {}),
-    }
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
     """Declared but not implemented: field -> the values that mean "not used" (the fields are
     strict, so ``True`` never arrives where ``1`` is expected)."""
 
@@ -67,20 +67,35 @@ class _SamplingRequest(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     """vLLM extension: keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    """vLLM extension: drop tokens below ``min_p`` times the most likely one's probability."""
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    """Choice ``i`` of ``n`` samples with ``seed + i`` (vLLM)."""
     stop: StopStr | list[StopStr] | None = None
     stop_token_ids: list[int] | None = None
     """vLLM extension: token ids that end generation."""
+    include_stop_str_in_output: bool = False
+    """vLLM extension: keep the stop string that ended the text."""
+    skip_special_tokens: bool = True
+    """vLLM extension: leave special tokens out of the text."""
     ignore_eos: bool = False
     """vLLM extension: keep generating past EOS (benchmarks)."""
+    min_tokens: int = Field(0, ge=0)
+    """vLLM extension: no EOS, stop token or stop string before this many tokens."""
+    n: int = Field(1, ge=1)
+    """Choices per prompt, generated as independent sequences."""
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    """vLLM extension: 1 (or null) disables."""
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    """Token id (as a string, OpenAI's shape) -> bias added to its logit."""
+    prompt_logprobs: NumLogprobs | None = None
+    """vLLM extension: logprobs of the prompt tokens (and this many alternatives)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     """Accepted and ignored, as OpenAI's end-user id."""
-    n: int = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -95,19 +110,19 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.UNSUPPORTED,
-        "best_of": (1, None),
-        "echo": (False, None),
-        "logprobs": (None,),
         "suffix": (None,),
     }
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    """One prompt: text, or token ids (a list holding exactly one of those is accepted too)."""
+    """Text, token ids, or a list of either: one choice per prompt (times ``n``)."""
     max_tokens: int | None = Field(16, ge=1)
     """OpenAI's default is 16; null means "up to max_seq_len"."""
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    """Generate this many per prompt and return the ``n`` with the highest cumulative logprob."""
     echo: bool | None = False
-    logprobs: int | None = None
+    """Put the prompt before the completion (and its logprobs before the completion's)."""
+    logprobs: NumLogprobs | None = None
+    """Logprobs of each token, with this many most likely alternatives."""
     suffix: str | None = None
 
 
@@ -136,8 +151,6 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.UNSUPPORTED,
-        "logprobs": (False, None),
-        "top_logprobs": (None, 0),
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "parallel_tool_calls": (None,),
@@ -149,7 +162,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """Deprecated by OpenAI in favour of ``max_completion_tokens``; null = up to max_seq_len."""
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    """Logprobs of each generated token."""
+    top_logprobs: NumLogprobs | None = None
+    """With ``logprobs``: this many most likely alternatives per token."""
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -158,164 +173,3 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-# -- responses -------------------------------------------------------------------------
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-        return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=num_prompt_tokens + num_completion_tokens,
-        )
-
-
-class _Response(BaseModel):
-    id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(_Response):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    """Set on a whole response and on the usage chunk of a stream; null on other chunks."""
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "kvroom"
-    root: str
-    """The artifact folder."""
-    max_model_len: int
-    """The artifact's max_seq_len (vLLM's name)."""
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-# -- builders: one per endpoint, so the streaming code is shared -------------------------
-
-
-class CompletionFormat:
-    """Builds ``/v1/completions`` bodies and stream chunks for one request."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-
-    def opening(self) -> list[BaseModel]:
-        """Chunks sent before the first token (none for completions)."""
-        return []
-
-    def chunk(self, delta: str, finish_reason: str | None) -> BaseModel:
-        choice = CompletionChoice(text=delta, finish_reason=finish_reason)
-        return self._response([choice], None)
-
-    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return self._response([], usage)
-
-    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> BaseModel:
-        return self._response([CompletionChoice(text=text, finish_reason=finish_reason)], usage)
-
-    def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> BaseModel:
-        return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-
-
-class ChatFormat(CompletionFormat):
-    """Builds ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role)."""
-
-    def opening(self) -> list[BaseModel]:
-        delta = DeltaMessage(role="assistant", content="")
-        return [self._chunk([ChatStreamChoice(delta=delta)], None)]
-
-    def chunk(self, delta: str, finish_reason: str | None) -> BaseModel:
-        choice = ChatStreamChoice(delta=DeltaMessage(content=delta), finish_reason=finish_reason)
-        return self._chunk([choice], None)
-
-    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return self._chunk([], usage)
-
-    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> BaseModel:
-        message = AssistantMessage(content=text)
-        return ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=[ChatChoice(message=message, finish_reason=finish_reason)],
-            usage=usage,
-        )
-
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None) -> BaseModel:
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )

@@ -1,0 +1,200 @@
+"""Response builders: one per endpoint, so serving (streamed or whole) is shared.
+
+A builder turns the engine's outputs of one choice (text, and tokens with their
+``TokenLogprobs``) into that endpoint's JSON: the completions logprobs are four parallel lists
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), chat's a list of
+``{token, logprob, bytes, top_logprobs}``. Token strings are single-token decodes, as vLLM
+returns them; the entry of the token itself comes first in a completions ``top_logprobs``
+dict, followed by the requested number of most likely tokens (vLLM's order). Logprobs below
+-9999 (``-inf``) are reported as -9999.0, as vLLM does, since JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvroom.engine.output import TokenLogprobs
+from kvroom.server.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+
+TokenText = Callable[[int], str]
+Entry = tuple[int, TokenLogprobs | None]
+"""A token id and its logprobs (None for the first prompt token)."""
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class FinalChoice:
+    """One finished choice, as the builders need it."""
+
+    index: int
+    text: str
+    entries: list[Entry] | None
+    """Tokens with logprobs, when the request asked (echoed prompt tokens first)."""
+    finish_reason: str | None
+    prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
+
+
+class CompletionFormat:
+    """Builds ``/v1/completions`` bodies and stream chunks for one request."""
+
+    def __init__(
+        self, request_id: str, model: str, token_text: TokenText, num_top: int | None
+    ) -> None:
+        """``num_top``: alternatives per token in logprobs (None: no logprobs asked)."""
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.num_top = num_top
+
+    def opening(self, indexes: Sequence[int]) -> list[BaseModel]:
+        """Chunks sent before the first token (none for completions)."""
+        return []
+
+    def chunk(
+        self, index: int, delta: str, entries: list[Entry], offset: int, finish: str | None
+    ) -> BaseModel:
+        """One choice's delta; ``offset`` is the text length already sent for it."""
+        logprobs = None if self.num_top is None else self._logprobs(entries, offset)
+        choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)
+        return self._response([choice], None)
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return self._response([], usage)
+
+    def response(self, choices: list[FinalChoice], usage: UsageInfo) -> BaseModel:
+        return self._response([self._choice(c) for c in choices], usage)
+
+    def _choice(self, c: FinalChoice) -> CompletionChoice:
+        logprobs = None if c.entries is None else self._logprobs(c.entries, 0)
+        return CompletionChoice(
+            index=c.index,
+            text=c.text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            prompt_logprobs=self.prompt_logprobs(c.prompt_logprobs),
+        )
+
+    def _logprobs(self, entries: list[Entry], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        k = self.num_top or 0
+        for token_id, lp in entries:
+            token = self.token_text(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+            top = {token: max(lp.logprob, MIN_LOGPROB)}
+            for alt, value in lp.top[:k]:
+                top.setdefault(self.token_text(alt), max(value, MIN_LOGPROB))
+            out.top_logprobs.append(top)
+        return out
+
+    def prompt_logprobs(
+        self, entries: Sequence[TokenLogprobs | None] | None
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: ``{token_id: {logprob, rank, decoded_token}}``."""
+        if entries is None:
+            return None
+        return [None if e is None else self._logprob_dict(e) for e in entries]
+
+    def _logprob_dict(self, e: TokenLogprobs) -> dict[str, Any]:
+        out = {str(e.token_id): self._one(e.token_id, e.logprob, e.rank)}
+        for rank, (alt, value) in enumerate(e.top, start=1):
+            out.setdefault(str(alt), self._one(alt, value, rank))
+        return out
+
+    def _one(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        decoded = self.token_text(token_id)
+        return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": decoded}
+
+    def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> BaseModel:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+
+class ChatFormat(CompletionFormat):
+    """Builds ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role)."""
+
+    def opening(self, indexes: Sequence[int]) -> list[BaseModel]:
+        delta = DeltaMessage(role="assistant", content="")
+        return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None) for i in indexes]
+
+    def chunk(
+        self, index: int, delta: str, entries: list[Entry], offset: int, finish: str | None
+    ) -> BaseModel:
+        logprobs = None if self.num_top is None else self._chat_logprobs(entries)
+        choice = ChatStreamChoice(
+            index=index, delta=DeltaMessage(content=delta), logprobs=logprobs, finish_reason=finish
+        )
+        return self._chunk([choice], None)
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return self._chunk([], usage)
+
+    def response(self, choices: list[FinalChoice], usage: UsageInfo) -> BaseModel:
+        return ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text),
+                    logprobs=None if c.entries is None else self._chat_logprobs(c.entries),
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=usage,
+            prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs if choices else None),
+        )
+
+    def _chat_logprobs(self, entries: list[Entry]) -> ChatLogprobs:
+        k = self.num_top or 0
+        content = [
+            ChatLogprobEntry(
+                **self._token(token_id, lp.logprob).model_dump(),
+                top_logprobs=[self._token(alt, value) for alt, value in lp.top[:k]],
+            )
+            for token_id, lp in entries
+            if lp is not None
+        ]
+        return ChatLogprobs(content=content)
+
+    def _token(self, token_id: int, logprob: float) -> ChatTokenLogprob:
+        token = self.token_text(token_id)
+        return ChatTokenLogprob(
+            token=token,
+            logprob=max(logprob, MIN_LOGPROB),
+            bytes=list(token.encode("utf-8", errors="replace")),
+        )
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
