@@ -23,10 +23,11 @@ Full layers store the step's K/V first. Decode rows then attend in one native ke
 (``kernels/cpu_kernels.cpp``) that walks each sequence's block table and reads K/V in place,
 one work item per (sequence, kv head); where it does not apply (CUDA, no compiler, other
 dtypes) they gather whole blocks through the block tables (padded to the longest table,
-masked) for one SDPA call, as prefill chunks always do. Sliding layers differ for prefill: a chunk of ``C``
-tokens at positions ``[s, s+C)`` needs keys back to ``s-W+1``, which the chunk itself may
-overwrite in the ring, so it attends over (old ring entries ``[max(0, s-W+1), s)``) + (its own
-new K/V) with the window mask, and only then stores its last ``min(C, W)`` tokens.
+masked) for one SDPA call, as prefill chunks always do. Sliding layers differ for prefill:
+a chunk of ``C`` tokens at positions ``[s, s+C)`` needs keys back to ``s-W+1``, which the
+chunk itself may overwrite in the ring, so it attends over (old ring entries
+``[max(0, s-W+1), s)``) + (its own new K/V) with the window mask, and only then stores its
+last ``min(C, W)`` tokens.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvroom.errors import ModelSourceError
 from kvroom.models.kernels import cpu_kernels
+from kvroom.models.kernels import ops as native
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 """Rope variants whose frequencies do not depend on the sequence length at run time."""
@@ -52,6 +53,19 @@ def rms_norm(
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if weight is None else y.mul_(weight)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, eps: torch.Tensor, eps_value: float
+) -> torch.Tensor:
+    """``h += delta`` (in place, when given), then ``rms_norm(h, eps)``: one native kernel
+    call on CPU (``kernels/cpu_kernels.cpp``) instead of five torch ops, else torch."""
+    out = native.add_rms_norm(h, delta, eps_value)
+    if out is not None:
+        return out
+    if delta is not None:
+        h.add_(delta)
+    return rms_norm(h, eps)
 
 
 def prepare_weight(w: torch.Tensor) -> torch.Tensor:

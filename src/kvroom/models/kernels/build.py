@@ -66,7 +66,23 @@ def _build(cxx: str, target: Path) -> None:
 def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.kvroom_decode_attention.argtypes = [
-        ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32
+        ptr,
+        i64,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        f32,
+        f32,
+        i32,
     ]
     lib.kvroom_decode_attention.restype = i32
     lib.kvroom_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32]
