@@ -56,7 +56,9 @@ def _isa(flags: frozenset[str]) -> str:
 def cpu_kernels() -> CpuKernels:
     """The kernels this CPU runs; decided and logged once per process."""
     flags = cpu_flags()
-    packed = torch.backends.mkldnn.is_available() and any(s <= flags for s in _BF16_PACK_FLAGS)
+    packed = torch.backends.mkldnn.is_available() and (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported() or any(s <= flags for s in _BF16_PACK_FLAGS)
+    )
     chosen = CpuKernels(isa=_isa(flags), bf16_packed=packed, native=library() is not None)
     log.info(chosen.describe())
     return chosen
