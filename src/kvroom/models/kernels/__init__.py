@@ -23,9 +23,6 @@ from kvroom.models.kernels.build import cpu_flags, library
 
 log = logging.getLogger("kvroom.kernels")
 
-_BF16_PACK_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
-"""Either set lets oneDNN reorder (and run) bf16 linear weights."""
-
 
 @dataclass(frozen=True)
 class CpuKernels:
@@ -56,9 +53,7 @@ def _isa(flags: frozenset[str]) -> str:
 def cpu_kernels() -> CpuKernels:
     """The kernels this CPU runs; decided and logged once per process."""
     flags = cpu_flags()
-    packed = torch.backends.mkldnn.is_available() and (
-        torch.ops.mkldnn._is_mkldnn_bf16_supported() or any(s <= flags for s in _BF16_PACK_FLAGS)
-    )
+    packed = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     chosen = CpuKernels(isa=_isa(flags), bf16_packed=packed, native=library() is not None)
     log.info(chosen.describe())
     return chosen
