@@ -4,7 +4,8 @@ Both score the local multiple-choice task ``benchmarks/lm_eval/facts_mc.yaml`` o
 artifact (an artifact folder is a HF model folder, so ``hf`` loads it directly); the script
 prints both accuracies and the largest per-choice loglikelihood difference.
 
-python benchmarks/lm_eval_parity.py artifacts/smollm2-135m --lm-eval /path/to/lm-eval-env/bin/lm_eval
+python benchmarks/lm_eval_parity.py artifacts/smollm2-135m \
+    --lm-eval /path/to/lm-eval-env/bin/lm_eval
 """
 
 from __future__ import annotations
