@@ -2,7 +2,8 @@
 
 Both score the local multiple-choice task ``benchmarks/lm_eval/facts_mc.yaml`` on the same
 artifact (an artifact folder is a HF model folder, so ``hf`` loads it directly); the script
-prints both accuracies and the largest per-choice loglikelihood difference.
+prints both accuracies and the largest per-choice loglikelihood difference. lm-eval needs
+its API client and ``accelerate`` (``pip install "lm-eval[api]" accelerate``).
 
 python benchmarks/lm_eval_parity.py artifacts/smollm2-135m \
     --lm-eval /path/to/lm-eval-env/bin/lm_eval
