@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kvroom.artifact.resize import startup_plan
-from kvroom.engine.engine import RequestOutput
+from kvroom.engine.engine import RequestOutput, ResizeResult
+from kvroom.engine.live_pool import KVCacheState, resolve_resize
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
 from kvroom.runtime import Runtime, build_runtime
@@ -78,10 +79,45 @@ class LLM:
         tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
         self.runtime: Runtime = build_runtime(info, plan, device=device, tokenizer=tokenizer)
         self.tokenizer = tokenizer
+        self.last_resize: ResizeResult | None = None
 
     @property
     def engine(self) -> Any:
         return self.runtime.engine
+
+    def resize_kv_cache(self, num_blocks: int | str, *, persist: bool = False) -> ResizeResult:
+        """Grow or shrink the KV pool now, keeping every request's KV (or recomputing the
+        newest ones only if the used blocks do not fit); no generated token changes.
+
+        Args:
+            num_blocks: the new ``kvcache_num_blocks``: an int, or ``"auto"`` (re-fit to the
+                memory available now).
+            persist: also write it into the artifact (the atomic ``kvroom set``).
+
+        Raises:
+            MemoryNotEnoughError: below ``num_min_blocks`` (the policy's error).
+            ConfigError: not an int or "auto", or above the address space reserved at load.
+        """
+        runtime = self.runtime
+        plan = resolve_resize(runtime.plan, num_blocks, kv_bytes_now=runtime.pool.nbytes())
+        result = runtime.engine.resize_kv_cache(plan.num_blocks)
+        runtime.plan = plan
+        self.last_resize = result
+        if persist:
+            from kvroom.artifact.resize import set_kvcache_num_blocks
+
+            set_kvcache_num_blocks(runtime.info.folder, plan.num_blocks)
+        return result
+
+    def kv_cache_state(self) -> KVCacheState:
+        """The pool now: blocks, bytes, use, the plan it came from, the resizes so far."""
+        runtime = self.runtime
+        return KVCacheState.of(
+            runtime.plan,
+            runtime.engine.stats,
+            max_num_blocks=runtime.pool.max_num_blocks,
+            last_resize=self.last_resize,
+        )
 
     def generate(
         self,

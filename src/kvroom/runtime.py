@@ -47,8 +47,13 @@ def build_runtime(
     *,
     device: str | None = None,
     tokenizer: Any | None = None,
+    max_num_blocks: int | None = None,
 ) -> Runtime:
-    """Load the weights, allocate exactly ``plan.num_blocks`` blocks, and wire the engine."""
+    """Load the weights, allocate exactly ``plan.num_blocks`` blocks, and wire the engine.
+
+    The pool reserves room to grow live up to ``max_num_blocks`` (default: the larger of
+    ``plan.num_full_blocks`` and ``plan.num_blocks``); only ``plan.num_blocks`` are committed.
+    """
     import torch
 
     cfg = info.config
@@ -65,6 +70,7 @@ def build_runtime(
         num_sliding_slots=num_slots,
         dtype=getattr(torch, cfg.kv_dtype or cfg.dtype),
         device=device,
+        max_num_blocks=max_num_blocks or max(plan.num_full_blocks, plan.num_blocks),
     )
     runner = ModelRunner(model, pool, spec, block_size=cfg.kvcache_block_size, device=device)
     blocks = BlockManager(plan.num_blocks, cfg.kvcache_block_size, num_sliding_slots=num_slots)
@@ -79,6 +85,7 @@ def build_runtime(
         runner,
         eos_token_ids=_eos_ids(info.folder, tokenizer),
         detokenize=_detokenizer(tokenizer),
+        pool=pool,
     )
     logger.info(plan.summary_line())
     return Runtime(info, plan, spec, pool, runner, engine, tokenizer)
