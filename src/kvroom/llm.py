@@ -51,6 +51,7 @@ class LLM:
         kvcache_memory_fraction: float | None = None,
         kvcache_num_blocks_adjuster: Callable[..., int] | None = None,
         device: str | None = None,
+        kvcache_max_blocks: int | None = None,
     ) -> None:
         """
         Args:
@@ -61,6 +62,8 @@ class LLM:
                 for this start with another budget (implies ``auto`` unless an int is given).
             kvcache_num_blocks_adjuster: ignored (the estimate does not run at load), noted once.
             device: run on another device than the one planned for.
+            kvcache_max_blocks: the largest size ``resize_kv_cache`` may reach (address space
+                reserved now; default the larger of ``num_full_blocks`` and the start size).
         """
         from transformers import AutoTokenizer
 
@@ -77,7 +80,9 @@ class LLM:
             kvcache_memory_fraction=kvcache_memory_fraction,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
-        self.runtime: Runtime = build_runtime(info, plan, device=device, tokenizer=tokenizer)
+        self.runtime: Runtime = build_runtime(
+            info, plan, device=device, tokenizer=tokenizer, max_num_blocks=kvcache_max_blocks
+        )
         self.tokenizer = tokenizer
         self.last_resize: ResizeResult | None = None
 
@@ -99,7 +104,12 @@ class LLM:
             ConfigError: not an int or "auto", or above the address space reserved at load.
         """
         runtime = self.runtime
-        plan = resolve_resize(runtime.plan, num_blocks, kv_bytes_now=runtime.pool.nbytes())
+        plan = resolve_resize(
+            runtime.plan,
+            num_blocks,
+            kv_bytes_now=runtime.pool.nbytes(),
+            max_num_blocks=runtime.pool.max_num_blocks,
+        )
         result = runtime.engine.resize_kv_cache(plan.num_blocks)
         runtime.plan = plan
         self.last_resize = result
@@ -117,6 +127,7 @@ class LLM:
             runtime.engine.stats,
             max_num_blocks=runtime.pool.max_num_blocks,
             last_resize=self.last_resize,
+            populated=self.runtime.pool.populated,
         )
 
     def generate(

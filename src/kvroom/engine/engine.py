@@ -214,12 +214,8 @@ class LLMEngine:
         """
         start = time.perf_counter()
         old = self.scheduler.block_manager.num_total_blocks
-        if self.pool is not None and num_blocks > self.pool.max_num_blocks:
-            raise ConfigError(
-                f"kvcache_num_blocks: {num_blocks} is above the {self.pool.max_num_blocks} "
-                "blocks of address space reserved at start-up; restart with a larger "
-                "--kvcache-max-blocks (or --kvcache-num-blocks) to go higher"
-            )
+        if self.pool is not None:
+            check_reserve(num_blocks, self.pool.max_num_blocks)
         if self.pool is not None and num_blocks > old:
             self.pool.resize(num_blocks)
         done = self.scheduler.resize(num_blocks)
@@ -312,6 +308,16 @@ class LLMEngine:
         del self._requests[request.request_id]
         del self._by_seq[request.seq.seq_id]
         self.runner.release(request.seq.seq_id)
+
+
+def check_reserve(num_blocks: int, max_num_blocks: int) -> None:
+    """Raise ``ConfigError`` when a resize would go past the address space reserved."""
+    if num_blocks > max_num_blocks:
+        raise ConfigError(
+            f"kvcache_num_blocks: {num_blocks} is above the {max_num_blocks} blocks of address "
+            "space reserved at start-up; restart with a larger --kvcache-max-blocks (or "
+            "--kvcache-num-blocks) to go higher"
+        )
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvroom.adjust import require_estimate_fits, validate_num_blocks
 from kvroom.device import DeviceMemory, probe
-from kvroom.engine.engine import EngineStats, ResizeResult
+from kvroom.engine.engine import EngineStats, ResizeResult, check_reserve
 from kvroom.errors import ConfigError
 from kvroom.plan import MemoryPlan
 
@@ -30,7 +30,9 @@ def resolve_resize(
     requested: object,
     *,
     kv_bytes_now: int,
+    max_num_blocks: int,
     memory: DeviceMemory | None = None,
+    source: str = "resize",
 ) -> MemoryPlan:
     """The running ``plan`` with the pool size ``requested`` (an int, or ``"auto"``).
 
@@ -38,10 +40,14 @@ def resolve_resize(
         plan: the plan the engine runs with now.
         requested: the new ``kvcache_num_blocks``: an int or ``"auto"``.
         kv_bytes_now: bytes the KV pool holds now (counted back in for "auto").
+        max_num_blocks: the pool's reserve; "auto" is capped at it, an int above it refused.
         memory: the memory available now (default: probe ``plan.device``).
+        source: ``"resize"`` (an operator: sizes above the start-up estimate are warned
+            about, as ``set`` does) or ``"elastic"`` (the controller, which just measured the
+            memory: only the minimum applies).
 
     Raises:
-        ConfigError: not an int or "auto", or <= 0.
+        ConfigError: not an int or "auto", <= 0, or above ``max_num_blocks``.
         MemoryNotEnoughError: below ``num_min_blocks``, or "auto" finds too little memory.
     """
     if requested == AUTO:
@@ -53,13 +59,17 @@ def resolve_resize(
             kvcache_reserve_bytes=plan.kvcache_reserve_bytes,
         )
         require_estimate_fits(fitted)
-        return fitted.with_num_blocks(fitted.estimated_num_blocks, "auto")
+        return fitted.with_num_blocks(min(fitted.estimated_num_blocks, max_num_blocks), "auto")
     if isinstance(requested, str) and requested.strip().isdigit():
         requested = int(requested)
     if isinstance(requested, str):
         raise ConfigError(f"num_blocks: must be an integer or 'auto', got {requested!r}")
-    n = validate_num_blocks(requested, plan, source="resize")
-    return plan.with_num_blocks(n, "resize")
+    if isinstance(requested, int) and not isinstance(requested, bool):
+        check_reserve(requested, max_num_blocks)
+    if source == "elastic" and isinstance(requested, int) and requested >= plan.num_min_blocks:
+        return plan.with_num_blocks(requested, source)
+    n = validate_num_blocks(requested, plan, source=source)
+    return plan.with_num_blocks(n, source)
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,8 @@ class KVCacheState:
     last_resize: ResizeResult | None
     plan: MemoryPlan
     """The plan the pool size came from (``num_blocks_source``: estimate, override, resize...)."""
+    populated: bool = False
+    """True once every committed page is resident (CPU: the background fault-in finished)."""
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +106,7 @@ class KVCacheState:
         *,
         max_num_blocks: int,
         last_resize: ResizeResult | None,
+        populated: bool = False,
     ) -> KVCacheState:
         return cls(
             num_blocks=stats.num_total_blocks,
@@ -108,6 +121,7 @@ class KVCacheState:
             num_resizes=stats.num_kv_resizes,
             last_resize=last_resize,
             plan=plan,
+            populated=populated,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +138,7 @@ class KVCacheState:
             "max_num_blocks": self.max_num_blocks,
             "num_resizes": self.num_resizes,
             "last_resize": None if last is None else last.__dict__.copy(),
+            "populated": self.populated,
             "source": self.plan.num_blocks_source,
             "plan": self.plan.to_dict(),
         }

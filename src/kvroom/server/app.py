@@ -30,9 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvroom.engine.elastic import ElasticPolicy
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
 from kvroom.llm import LLM
+from kvroom.server.admin import LivePool, install_admin, start_elastic
 from kvroom.server.async_engine import AsyncEngine
 from kvroom.server.metrics import ServerMetrics
 from kvroom.server.protocol import (
@@ -49,10 +51,21 @@ from kvroom.server.serving import Job, ServerState, json_response, serve_job
 router = APIRouter()
 
 
-def create_app(llm: LLM, *, served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does."""
+def create_app(
+    llm: LLM,
+    *,
+    served_model_name: str | None = None,
+    admin_key: str | None = None,
+    elastic: ElasticPolicy | None = None,
+) -> FastAPI:
+    """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does.
+
+    ``admin_key`` enables the admin routes (``server/admin.py``); ``elastic`` runs the elastic
+    KV pool controller while the app runs.
+    """
     runtime = llm.runtime
     engine = AsyncEngine(runtime.engine)
+    live_pool = LivePool(runtime, engine)
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(lambda: engine.stats),
@@ -66,14 +79,18 @@ def create_app(llm: LLM, *, served_model_name: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        controller = start_elastic(live_pool, elastic)
         try:
             yield
         finally:
+            if controller is not None:
+                await asyncio.to_thread(controller.stop)
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="kvroom", lifespan=lifespan)
     app.state.kvroom = state
     app.include_router(router)
+    install_admin(app, live_pool, admin_key)
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
