@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import time
+from collections import deque
 from typing import Any
 
 from kvroom.engine.sampling import SamplingParams
@@ -51,17 +52,11 @@ def _finish(llm: LLM) -> None:
         engine.step()
 
 
-def _occupy_low_ids(llm: LLM, num_blocks: int) -> None:
-    """Take the first ``num_blocks`` free ids with throw-away requests, then free them: the
-    free list then hands out higher ids first, so the next sequences need migrating."""
-    engine = llm.runtime.engine
-    bm = engine.scheduler.block_manager
-    for seq_id in range(10**6, 10**6 + num_blocks):
-        if bm.allocate(seq_id, 1) is None:
-            break
-    for seq_id in list(bm.table_owners):
-        if seq_id >= 10**6:
-            bm.free(seq_id)
+def _hand_out_high_ids_first(llm: LLM) -> None:
+    """Order the free list highest id first, so the next sequences hold only ids a shrink
+    removes and every one of their blocks must move."""
+    bm = llm.runtime.engine.scheduler.block_manager
+    bm._free_blocks = deque(sorted(bm._free_blocks, reverse=True))
 
 
 def time_resizes(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +67,7 @@ def time_resizes(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     plain = llm.resize_kv_cache(small)
     grow = llm.resize_kv_cache(large)
     _finish(llm)
-    _occupy_low_ids(llm, large - used - 1)
+    _hand_out_high_ids_first(llm)
     _start(llm, args.num_seqs, args.prompt_len, args.max_tokens)
     moving = llm.resize_kv_cache(small)
     _finish(llm)
