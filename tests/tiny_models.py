@@ -81,12 +81,41 @@ GEMMA3_TINY: dict[str, Any] = {
 }
 """Defaults of ``write_tiny_gemma3``: 4 layers alternating sliding (window 8) and full."""
 
+GEMMA4_TINY: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "vocab_size_per_layer_input": TINY_VOCAB_SIZE,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "global_head_dim": 16,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 4,
+    "max_position_embeddings": 128,
+    "sliding_window": 8,
+    "final_logit_softcapping": 30.0,
+    "layer_types": [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+}
+"""Defaults of ``write_tiny_gemma4``: 5 layers; full layers K=V with 1 KV head of 16 dims,
+sliding layers 2 KV heads of 8 (window 8); the last 2 layers share earlier KV; PLE of 4."""
+
 _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_TINY),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**LLAMA_TINY, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_TINY),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", LLAMA_TINY),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TINY),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TINY),
 }
 """model_type -> (transformers config class, model class, tiny defaults)."""
 
@@ -101,6 +130,11 @@ def write_tiny_llama(path: str | Path, *, seed: int = 0, **config_overrides: Any
 def write_tiny_gemma3(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
     """A tiny hybrid ``Gemma3ForCausalLM`` folder (see ``GEMMA3_TINY``)."""
     return write_tiny_model(path, "gemma3_text", seed=seed, **config_overrides)
+
+
+def write_tiny_gemma4(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """A tiny ``Gemma4ForCausalLM`` folder (see ``GEMMA4_TINY``): K=V and KV-shared layers."""
+    return write_tiny_model(path, "gemma4_text", seed=seed, **config_overrides)
 
 
 def write_tiny_model(

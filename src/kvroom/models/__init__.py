@@ -22,6 +22,8 @@ REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "kvroom.models.decoder:DecoderModel",
     "Qwen3ForCausalLM": "kvroom.models.decoder:DecoderModel",
     "Gemma3ForCausalLM": "kvroom.models.gemma3:Gemma3Model",
+    "Gemma4ForCausalLM": "kvroom.models.gemma4:Gemma4Model",
+    "Gemma4ForConditionalGeneration": "kvroom.models.gemma4:Gemma4Model",
 }
 """HF architecture name -> ``module:Class`` of its builder."""
 

@@ -54,7 +54,11 @@ def load_weights(model: DecoderModel, folder: str | Path) -> None:
         ModelSourceError: no safetensors, or a tensor the architecture needs is missing.
     """
     ckpt = _Checkpoint(Path(folder), model.device)
-    state = {name: _load_one(model, ckpt, name) for name in model.state_dict()}
+    custom = getattr(model, "load_tensor", None)  # a model whose layers differ in shape
+    state = {
+        name: custom(ckpt.get, name) if custom else _load_one(model, ckpt, name)
+        for name in model.state_dict()
+    }
     model.load_state_dict(state, strict=True, assign=True)
     del state, ckpt  # post_load frees the dense weights it packs only once nothing else holds them
     model.requires_grad_(False)
