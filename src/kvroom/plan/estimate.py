@@ -212,7 +212,10 @@ class MemoryPlan:
         return [(f"KV pool tensor {i + 1}", g) for i, g in enumerate(groups)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready fields (sequences as lists)."""
+        doc = dataclasses.asdict(self)
+        doc["kv_groups"] = list(self.kv_groups)
+        return doc
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
