@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma4ForCausalLM": "gemma4_text",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
 }
 """HF ``architectures`` name -> HF ``model_type`` of every architecture kvroom runs."""
 
@@ -32,10 +33,40 @@ _REQUIRED_KEYS = (
     "vocab_size",
 )
 _ARCH_BY_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-_TEXT_CONFIG_TYPES = ("gemma4",)
+_TEXT_CONFIG_TYPES = ("gemma4", "qwen3_vl")
 """Multimodal model types whose decoder facts live under ``text_config``."""
 
 LayerKind = Literal["full", "sliding"]
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """Shapes of a vision tower (Qwen3-VL), as the planner needs them."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    depth: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_deepstack: int
+    """Early decoder layers that get deepstack features (one ``[tokens, out_hidden]`` each)."""
+
+    @classmethod
+    def from_hf(cls, v: Mapping[str, Any]) -> VisionSpec:
+        return cls(
+            hidden_size=int(v.get("hidden_size", 1152)),
+            intermediate_size=int(v.get("intermediate_size", 4304)),
+            num_heads=int(v.get("num_heads", 16)),
+            depth=int(v.get("depth", 27)),
+            patch_size=int(v.get("patch_size", 16)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            out_hidden_size=int(v.get("out_hidden_size", 3584)),
+            num_deepstack=len(v.get("deepstack_visual_indexes", (8, 16, 24))),
+        )
 
 
 @dataclass(frozen=True)
@@ -116,6 +147,8 @@ class ModelSpec:
     """RMSNorm over each head of q and k (qwen3, gemma3)."""
     layer_kv: tuple[LayerKV, ...] = ()
     """Per layer its KV shape and sharing; empty = every layer ``num_kv_heads x head_dim``."""
+    vision: VisionSpec | None = None
+    """The vision tower of a model that takes images (Qwen3-VL); None for text models."""
 
     def __post_init__(self) -> None:
         if not self.layer_kv:
@@ -135,6 +168,7 @@ class ModelSpec:
         """
         architecture = _architecture_of(cfg)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
+        vision = VisionSpec.from_hf(cfg["vision_config"]) if model_type == "qwen3_vl" else None
         if model_type in _TEXT_CONFIG_TYPES:
             cfg = _text_config(cfg)
             model_type = str(cfg.get("model_type") or f"{model_type}_text")
@@ -162,8 +196,9 @@ class ModelSpec:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma4_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma4_text", "qwen3_vl_text"),
             layer_kv=_gemma4_layer_kv(cfg, layer_types) if model_type == "gemma4_text" else (),
+            vision=vision,
         )
 
     def layer_kinds(self, max_seq_len: int) -> tuple[LayerKind, ...]:

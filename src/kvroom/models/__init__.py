@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "kvroom.models.gemma3:Gemma3Model",
     "Gemma4ForCausalLM": "kvroom.models.gemma4:Gemma4Model",
     "Gemma4ForConditionalGeneration": "kvroom.models.gemma4:Gemma4Model",
+    "Qwen3VLForConditionalGeneration": "kvroom.models.qwen3_vl:Qwen3VLModel",
 }
 """HF architecture name -> ``module:Class`` of its builder."""
 

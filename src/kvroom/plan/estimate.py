@@ -59,6 +59,8 @@ class MemoryPlan:
     """The pool size chosen (estimate, adjuster, manual value, or a later set/override)."""
     num_blocks_source: str
     """estimate | adjuster | manual | set | auto | override."""
+    vision_bytes: int = 0
+    """Vision encoder peak + encoder cache (``plan.vision``); 0 for text models."""
     kv_groups: tuple[str, ...] = ()
     """One line per KV pool tensor (``plan.kv.describe_kv_groups``), e.g. ``2 full-attention
     layers, K=V, 1 KV head x 512 dims; 4 layers share earlier KV``."""
@@ -89,6 +91,7 @@ class MemoryPlan:
     def kv_budget_bytes(self) -> int:
         """Per rank: usable - weights - runtime - this rank's sliding-window slots."""
         fixed = self.weight_bytes + self.runtime_bytes + self.sliding_window_bytes_per_rank
+        fixed += self.vision_bytes
         return self.usable_bytes - fixed
 
     @property
@@ -197,6 +200,11 @@ class MemoryPlan:
             ("KV pool", f"{self.num_tokens} tokens, {format_bytes(self.kv_bytes)}"),
             ("max concurrency at max_seq_len", str(self.max_concurrency)),
         ]
+        if self.vision_bytes:
+            budget = rows.index(("= KV budget", format_bytes(self.kv_budget_bytes)))
+            rows.insert(
+                budget, ("- vision encoder + cache (fixed)", format_bytes(self.vision_bytes))
+            )
         rows += self._kv_group_rows()
         width = max(len(label) for label, _ in rows)
         lines = [f"{label:<{width}}  {value:>14}" for label, value in rows]
@@ -273,9 +281,26 @@ def compute_plan(
         num_blocks=0,
         num_blocks_source="estimate",
         kv_groups=describe_kv_groups(spec, max_seq_len=cfg.max_seq_len),
+        vision_bytes=_vision_bytes(spec, cfg),
     )
     return needs.refit(
         memory,
         kvcache_memory_fraction=cfg.kvcache_memory_fraction,
         kvcache_reserve_bytes=int(cfg.kvcache_reserve_memory),
+    )
+
+
+def _vision_bytes(spec: ModelSpec, cfg: DecoderOnlyConfig) -> int:
+    """``plan.vision.vision_bytes`` for a model with a vision tower, else 0."""
+    if spec.vision is None:
+        return 0
+    from kvroom.plan.vision import vision_bytes
+
+    return vision_bytes(
+        spec.vision,
+        max_images_per_request=getattr(cfg, "max_images_per_request", 1),
+        max_image_pixels=getattr(cfg, "max_image_pixels", 512 * 512),
+        encoder_cache_images=getattr(cfg, "encoder_cache_images", 4),
+        max_seq_len=cfg.max_seq_len,
+        dtype=cfg.dtype,
     )
