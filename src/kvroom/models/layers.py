@@ -19,6 +19,7 @@ them unchanged; the K stored in the cache is permuted too, consistently.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -65,15 +66,22 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     SmolLM2's 30 layers, 39 ms instead of 87 ms per step at 32 rows, 16 ms instead of 23 ms at
     one row, and the 49k-column LM head 9 ms instead of 29 ms at 32 rows.
 
-    Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
+    Elsewhere (CUDA, other dtypes, no oneDNN, or bf16 on a CPU without oneDNN's bf16 path,
+    such as an AVX2-only one): ``w`` as a row-major ``[in, out]`` matrix.
     """
-    if (
-        w.device.type == "cpu"
-        and w.dtype in PACKABLE_DTYPES
-        and torch.backends.mkldnn.is_available()
-    ):
+    if w.device.type == "cpu" and cpu_packable(w.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
     return w.contiguous()
+
+
+@functools.cache
+def cpu_packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack and run a CPU weight of ``dtype`` on this CPU: fp32 wherever
+    oneDNN runs; bf16 only where the CPU has oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT), which ``_is_mkldnn_bf16_supported`` checks at run time."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
