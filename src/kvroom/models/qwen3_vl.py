@@ -49,6 +49,8 @@ class Qwen3VLModel(DecoderModel):
     """The decoder of Qwen3-VL with M-RoPE and deepstack, and its vision encoder."""
 
     hf_decoder_prefix = "model.language_model."
+    image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    """What a prompt holds once per image (expanded to the image's tokens)."""
 
     def __init__(
         self, spec: ModelSpec, hf_config: Any, dtype: torch.dtype, device: torch.device | str
