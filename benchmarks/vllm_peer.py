@@ -1,38 +1,48 @@
-"""kvroom against vLLM (CPU backend) on the same workload and the same KV pool.
+"""kvroom against vLLM (CPU backend): same artifacts, same KV pool, same workloads, one run.
 
-.venv/bin/python benchmarks/vllm_peer.py artifacts/smollm2-135m \
-    --vllm-python /work/vllm-venv/bin/python [--num-requests 32 --new-tokens 64] [--json PATH]
+.venv/bin/python benchmarks/vllm_peer.py artifacts/smollm2-135m artifacts/smollm2-135m-bf16 \
+    --vllm-python /path/to/vllm-env/bin/python [--repeats 3] [--json PATH]
 
-Workload (as ``kvroom bench``): ``kvroom.bench.chat_prompts`` as token ids, greedy, EOS ignored,
-``--new-tokens`` each. vLLM runs offline (``vllm.LLM(**args)``, ``args`` from
-``kvroom.integrations.vllm.prepare``, so its pool is the plan's) in a subprocess of its own
-interpreter, which stays up between runs: the timed generates alternate vLLM, kvroom, vLLM,
-kvroom, ... (the machine may be shared; a busy spell then hits both). Each engine first warms
-up on 2 prompts x 4 tokens; figures are medians of ``--repeats`` runs. vLLM's start-up is the
-import plus ``LLM(...)`` (its first start compiles for minutes; later ones reuse the cache).
+Per artifact, vLLM runs offline (``vllm.LLM(**args)``, ``args`` from
+``kvroom.integrations.vllm.prepare``, so its pool is the plan's; prefix caching off, as kvroom
+has none) in a subprocess of its own interpreter that stays up between runs. Workloads, greedy
+and EOS ignored, as token ids:
+
+* ``batch``: ``kvroom.bench.chat_prompts`` x ``--new-tokens`` (32 x 64), tokens/s;
+* ``single``: one chat prompt x 128 tokens, tokens/s;
+* ``ttft``: 8 distinct prompts of 1,500 tokens, 1 token each: seconds until every prompt has
+  its first token (the prefill of 12,000 tokens in the artifact's step budget).
+
+Each repeat runs every workload on vLLM then on kvroom, so a busy spell of a shared machine
+hits both; figures are medians of ``--repeats``. Each engine first warms up. The matmul ceiling
+is timed in the kvroom process next to each batch run: the best of a few fp32 ``torch.mm`` of
+``1024 x 1024 x 1024`` (GFLOP/s) divided by the model's FLOPs per token (2 x the projection
+and LM-head weights; attention's own FLOPs are left out, which flatters no one).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import statistics
 import subprocess
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvroom.bench import Measurement, bench_kvroom, chat_prompts
+from kvroom.bench import bench_kvroom, chat_prompts
 from kvroom.integrations.vllm import VllmLaunch, prepare
 from kvroom.integrations.vllm_serve import child_env, reported_kv_tokens, stop
 from kvroom.llm import LLM
 
+TTFT_PROMPTS, TTFT_LEN = 8, 1500
+SINGLE_TOKENS = 128
 TAG = "KVROOM_PEER "
 VLLM_SCRIPT = """
 import json, sys, time
@@ -49,18 +59,20 @@ def main() -> None:
 
     llm = LLM(**spec["engine_args"])
     startup_s = time.perf_counter() - start
-    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
 
-    def generate(n, max_tokens):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return llm.generate(prompts[:n], params, use_tqdm=False)
+    def generate(w, n=None, max_tokens=None):
+        prompts = [{"prompt_token_ids": ids} for ids in w["prompts"][:n]]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens or w["max_tokens"],
+                                ignore_eos=True)
+        return llm.generate(prompts, params, use_tqdm=False)
 
-    generate(2, 4)  # warm-up
+    generate(spec["workloads"]["batch"], 2, 4)  # warm-up
+    generate(spec["workloads"]["ttft"])
     blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     report({"startup_s": startup_s, "num_gpu_blocks": blocks})
-    while sys.stdin.readline():  # one line per timed run; EOF ends
+    while line := sys.stdin.readline().strip():  # one workload name per timed run; EOF ends
         start = time.perf_counter()
-        outs = generate(len(prompts), spec["new_tokens"])
+        outs = generate(spec["workloads"][line])
         seconds = time.perf_counter() - start
         report({"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outs]})
 
@@ -71,9 +83,9 @@ if __name__ == "__main__":  # vLLM's engine starts worker processes
 
 
 class VllmPeer:
-    """vLLM's offline engine in a subprocess of ``python``; ``run()`` is one timed generate."""
+    """vLLM's offline engine in a subprocess of ``python``; ``run(name)`` is one timed generate."""
 
-    def __init__(self, python: str, launch: VllmLaunch, prompts: list[list[int]], new_tokens: int):
+    def __init__(self, python: str, launch: VllmLaunch, loads: dict[str, dict[str, Any]]):
         env = child_env(launch)
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # same as kvroom's
@@ -90,8 +102,7 @@ class VllmPeer:
         self.log: deque[str] = deque(maxlen=80)
         self.kv_tokens: int | None = None
         threading.Thread(target=self._pump, daemon=True).start()
-        spec = {"engine_args": launch.args, "prompts": prompts, "new_tokens": new_tokens}
-        self._send(json.dumps(spec))
+        self._send(json.dumps({"engine_args": launch.args, "workloads": loads}))
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -121,8 +132,8 @@ class VllmPeer:
                 self.kv_tokens = reported_kv_tokens(line)
         raise TimeoutError(f"no result from vLLM within {timeout_s} s:\n" + "".join(self.log))
 
-    def run(self, timeout_s: float) -> tuple[float, list[list[int]]]:
-        self._send("run")
+    def run(self, name: str, timeout_s: float) -> tuple[float, list[list[int]]]:
+        self._send(name)
         out = self.result(timeout_s)
         return out["seconds"], out["token_ids"]
 
@@ -135,87 +146,156 @@ class VllmPeer:
             stop(self.proc)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length); None when equal."""
-    if a == b:
-        return None
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
+def long_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
+    """``n`` distinct prompts of exactly ``length`` token ids (numbered facts, then filler)."""
+    out = []
+    for i in range(n):
+        text = " ".join(
+            f"Note {i}.{j}: the {j}th tide of sea {i} rose {j % 7} feet." for j in range(400)
+        )
+        out.append(tokenizer.encode(text)[:length])
+    assert all(len(p) == length for p in out), "filler text too short"
+    return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    launch = prepare(args.artifact)
-    llm = LLM(args.artifact)
-    prompts = chat_prompts(llm.tokenizer, args.num_requests)
-    peer = VllmPeer(args.vllm_python, launch, prompts, args.new_tokens)
+def workloads(llm: LLM, num_requests: int, new_tokens: int) -> dict[str, dict[str, Any]]:
+    chat = chat_prompts(llm.tokenizer, num_requests)
+    return {
+        "batch": {"prompts": chat, "max_tokens": new_tokens},
+        "single": {"prompts": chat[:1], "max_tokens": SINGLE_TOKENS},
+        "ttft": {"prompts": long_prompts(llm.tokenizer, TTFT_PROMPTS, TTFT_LEN), "max_tokens": 1},
+    }
+
+
+def flops_per_token(llm: LLM) -> float:
+    """2 x (qkv + o + gate/up/down weights of every layer + the LM head)."""
+    s = llm.runtime.info.spec
+    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    attn += s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    return 2.0 * (s.num_layers * (attn + mlp) + s.hidden_size * s.vocab_size)
+
+
+def matmul_gflops(n: int = 1024, tries: int = 5) -> float:
+    """Best fp32 ``torch.mm`` rate of ``tries`` n x n x n products, GFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def run_kvroom(llm: LLM, w: dict[str, Any]) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    _, ids = bench_kvroom(llm, w["prompts"], w["max_tokens"])
+    return time.perf_counter() - start, ids
+
+
+def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Every workload on both engines, alternating, for one artifact."""
+    launch = prepare(artifact, enable_prefix_caching=False)
+    llm = LLM(artifact)
+    loads = workloads(llm, args.num_requests, args.new_tokens)
+    peer = VllmPeer(args.vllm_python, launch, loads)
+    secs: dict[str, dict[str, list[float]]] = {n: {"vllm": [], "kvroom": []} for n in loads}
+    ids: dict[str, dict[str, list[list[int]]]] = {n: {} for n in loads}
+    gflops: list[float] = []
     try:
         ready = peer.result(args.startup_timeout)
-        bench_kvroom(llm, prompts[:2], 4)  # warm-up
-        secs: dict[str, list[float]] = {"vllm": [], "kvroom": []}
-        ids: dict[str, list[list[int]]] = {}
+        bench_kvroom(llm, loads["batch"]["prompts"][:2], 4)  # warm-up
+        run_kvroom(llm, loads["ttft"])
         for _ in range(args.repeats):
-            seconds, ids["vllm"] = peer.run(args.run_timeout)
-            secs["vllm"].append(seconds)
-            start = time.perf_counter()
-            _, ids["kvroom"] = bench_kvroom(llm, prompts, args.new_tokens)
-            secs["kvroom"].append(time.perf_counter() - start)
+            for name, w in loads.items():
+                seconds, ids[name]["vllm"] = peer.run(name, args.run_timeout)
+                secs[name]["vllm"].append(seconds)
+                seconds, ids[name]["kvroom"] = run_kvroom(llm, w)
+                secs[name]["kvroom"].append(seconds)
+                if name == "batch":
+                    gflops.append(matmul_gflops())
     finally:
         peer.close()
-    rows = {
-        name: Measurement(label, sum(map(len, ids[name])), statistics.median(secs[name]))
-        for name, label in (("vllm", "vLLM LLM.generate"), ("kvroom", "kvroom LLM.generate"))
-    }
-    diffs = [first_difference(k, v) for k, v in zip(ids["kvroom"], ids["vllm"], strict=True)]
+    figures = {}
+    for name, w in loads.items():
+        tokens = len(w["prompts"]) * w["max_tokens"]
+        med = {e: statistics.median(s) for e, s in secs[name].items()}
+        same = sum(a == b for a, b in zip(ids[name]["kvroom"], ids[name]["vllm"], strict=True))
+        figures[name] = {
+            "tokens": tokens,
+            "requests": len(w["prompts"]),
+            "median_s": med,
+            "runs_s": secs[name],
+            "same": same,
+        }
+    ceiling = statistics.median(gflops) * 1e9 / flops_per_token(llm)
     return {
-        "artifact": str(args.artifact),
-        "num_requests": args.num_requests,
-        "new_tokens": args.new_tokens,
+        "artifact": str(artifact),
         "dtype": llm.runtime.info.config.dtype,
         "threads": {"kvroom": torch.get_num_threads(), "vllm": int(peer.threads)},
         "plan_kv_tokens": launch.plan.num_tokens,
         "vllm_kv_tokens": peer.kv_tokens,
         "vllm_blocks": [ready["num_gpu_blocks"], launch.pool.block_size],
         "vllm_startup_s": ready["startup_s"],
-        "rows": {n: asdict(m) | {"tokens_per_s": m.tokens_per_s} for n, m in rows.items()},
-        "runs_s": secs,
-        "ratio_kvroom_over_vllm": rows["kvroom"].tokens_per_s / rows["vllm"].tokens_per_s,
-        "matched": sum(d is None for d in diffs),
-        "first_differences": [d for d in diffs if d is not None],
+        "matmul_gflops": gflops,
+        "ceiling_tokens_per_s": ceiling,
+        "workloads": figures,
     }
 
 
-def print_report(r: dict[str, Any]) -> None:
-    blocks, size = r["vllm_blocks"]
-    print(
-        f"workload: {r['num_requests']} chat requests x {r['new_tokens']} new tokens, greedy, "
-        f"EOS ignored; {r['dtype']}; threads kvroom {r['threads']['kvroom']}, vLLM "
-        f"{r['threads']['vllm']}"
-    )
-    print(
-        f"KV pool: plan {r['plan_kv_tokens']} tokens; vLLM {blocks} blocks x {size} = "
-        f"{blocks * size} tokens (its log: {r['vllm_kv_tokens']})"
-    )
-    print(f"{'engine':<24}{'tokens':>8}{'seconds':>10}{'tok/s':>10}{'kvroom/vLLM':>13}")
-    base = r["rows"]["vllm"]["tokens_per_s"]
-    for row in r["rows"].values():
-        print(
-            f"{row['name']:<24}{row['tokens']:>8}{row['seconds']:>10.2f}"
-            f"{row['tokens_per_s']:>10.1f}{row['tokens_per_s'] / base:>12.2f}x"
+def table(results: list[dict[str, Any]]) -> list[str]:
+    """The side-by-side table: per artifact, every workload, kvroom / vLLM (higher = faster)."""
+    lines = [f"{'dtype':<10}{'workload':<26}{'kvroom':>10}{'vLLM':>10}{'kvroom/vLLM':>13}  greedy"]
+    for r in results:
+        for name, f in r["workloads"].items():
+            k, v = f["median_s"]["kvroom"], f["median_s"]["vllm"]
+            if name == "ttft":
+                label, kv, vv, unit = "TTFT 8 x 1500 (s)", k, v, ".2f"
+            else:
+                label = "batch 32 x 64 (tok/s)" if name == "batch" else "single 1 x 128 (tok/s)"
+                kv, vv, unit = f["tokens"] / k, f["tokens"] / v, ".1f"
+            same = f"{f['same']}/{f['requests']} identical"
+            lines.append(
+                f"{r['dtype']:<10}{label:<26}{kv:>10{unit}}{vv:>10{unit}}{v / k:>12.2f}x  {same}"
+            )
+        b = r["workloads"]["batch"]
+        rate = b["tokens"] / b["median_s"]["kvroom"]
+        gf, top = statistics.median(r["matmul_gflops"]), r["ceiling_tokens_per_s"]
+        vllm_rate = b["tokens"] / b["median_s"]["vllm"]
+        lines.append(
+            f"{r['dtype']:<10}matmul ceiling: fp32 mm {gf:.0f} GFLOP/s -> {top:.0f} tok/s; "
+            f"batch: kvroom at {rate / top:.0%} of it, vLLM at {vllm_rate / top:.0%}"
         )
-    runs = "; ".join(f"{n} " + ", ".join(f"{s:.2f}" for s in v) for n, v in r["runs_s"].items())
-    print(f"median of {len(r['runs_s']['vllm'])} alternating runs each (s: {runs})")
-    print(f"vLLM start-up (import + LLM(...)): {r['vllm_startup_s']:.1f} s")
-    diffs = (
-        f"; others first differ at token {r['first_differences']}" if r["first_differences"] else ""
+    return lines
+
+
+def print_report(results: list[dict[str, Any]], repeats: int) -> None:
+    r0 = results[0]
+    print(
+        f"threads kvroom {r0['threads']['kvroom']}, vLLM {r0['threads']['vllm']}; medians of "
+        f"{repeats} alternating runs; kvroom/vLLM > 1 means kvroom is faster (TTFT: vLLM's "
+        f"seconds over kvroom's)"
     )
-    print(f"greedy token ids: {r['matched']}/{r['num_requests']} requests identical{diffs}")
+    for r in results:
+        blocks, size = r["vllm_blocks"]
+        print(
+            f"{r['dtype']}: KV pool plan {r['plan_kv_tokens']} tokens; vLLM {blocks} x {size} = "
+            f"{blocks * size} (its log: {r['vllm_kv_tokens']}); vLLM start-up "
+            f"{r['vllm_startup_s']:.0f} s"
+        )
+    print("\n".join(table(results)))
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("artifact", type=Path)
-    parser.add_argument("--vllm-python", required=True, help="python of vLLM's virtualenv")
+    parser.add_argument("artifacts", type=Path, nargs="+")
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("KVROOM_VLLM_PYTHON"),
+        help="python of vLLM's virtualenv (default: $KVROOM_VLLM_PYTHON)",
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine")
@@ -223,8 +303,10 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    results = run(args)
-    print_report(results)
+    if not args.vllm_python:
+        parser.error("--vllm-python (or KVROOM_VLLM_PYTHON) is required")
+    results = [compare(a, args) for a in args.artifacts]
+    print_report(results, args.repeats)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

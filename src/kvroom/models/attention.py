@@ -19,11 +19,15 @@ KV storage (owned by ``engine/kv_cache.py``), per layer, with ``E = [2, kv_heads
     sliding layer: [num_slots, window, *E]         position p of the seq in slot s -> ring
                                                    entry (s, p % window)
 
-Full layers store the step's K/V first, then gather whole blocks through the block tables
-(padded to the longest table, masked). Sliding layers differ for prefill: a chunk of ``C``
-tokens at positions ``[s, s+C)`` needs keys back to ``s-W+1``, which the chunk itself may
-overwrite in the ring, so it attends over (old ring entries ``[max(0, s-W+1), s)``) + (its own
-new K/V) with the window mask, and only then stores its last ``min(C, W)`` tokens.
+Full layers store the step's K/V first. Decode rows then attend in one native kernel call
+(``kernels/cpu_kernels.cpp``) that walks each sequence's block table and reads K/V in place,
+one work item per (sequence, kv head); where it does not apply (CUDA, no compiler, other
+dtypes) they gather whole blocks through the block tables (padded to the longest table,
+masked) for one SDPA call, as prefill chunks always do. Sliding layers differ for prefill:
+a chunk of ``C`` tokens at positions ``[s, s+C)`` needs keys back to ``s-W+1``, which the
+chunk itself may overwrite in the ring, so it attends over (old ring entries
+``[max(0, s-W+1), s)``) + (its own new K/V) with the window mask, and only then stores its
+last ``min(C, W)`` tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvroom.models.kernels import ops as native
 from kvroom.models.layers import softcap_
 
 
@@ -52,6 +57,8 @@ class DecodeGroup:
     kv_start: int | None = None
     """Set when one sequence's units are consecutive (a fresh pool hands them out in order):
     the keys are then the view ``cache[kv_start : kv_start + n]``, no gather at all."""
+    lens: torch.Tensor | None = None
+    """``[B]`` int64 keys per sequence (the native kernel reads ``kv_index`` and ``lens``)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,10 @@ def _decode(
     """One query per sequence. The query heads sharing a KV head become that head's "query
     positions" (``[B, kv_heads, group, D]``), so GQA needs neither ``repeat_kv`` nor a copy."""
     b, h, d = q.shape
+    if g.lens is not None:
+        out = native.decode_attention(q, cache, g.kv_index, g.lens, scale, softcap)
+        if out is not None:
+            return out
     if g.kv_start is None:
         keys = _select(cache, g.kv_index, q.dtype)[:, : g.kv_len]
     else:

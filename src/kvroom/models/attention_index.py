@@ -128,7 +128,7 @@ class _Builder:
         elif min(lens) < kv_len:
             keep = torch.arange(kv_len)[None, :] < torch.tensor(lens)[:, None]
             mask = _additive(keep[:, None, None, :], self.dtype)
-        return DecodeGroup(len(lens), kv_index, kv_len, mask, start)
+        return DecodeGroup(len(lens), kv_index, kv_len, mask, start, torch.tensor(lens))
 
     def _causal(self, num_keys: int) -> torch.Tensor:
         """``[B, Q, L]``: query j of a chunk starting at s sees cached positions ``<= s + j``."""

@@ -33,6 +33,7 @@ from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models.attention import AttentionMetadata, KindBatch, paged_attention
 from kvroom.models.layers import (
+    add_rms_norm,
     apply_rope_,
     glu,
     matmul,
@@ -97,12 +98,14 @@ class DecoderLayer(nn.Module):
         self.gate_up = meta_param(h, 2 * cfg.intermediate, dtype=dtype)
         self.down = meta_param(cfg.intermediate, h, dtype=dtype)
         self.eps = torch.empty((), device="meta")
+        self.eps_value = 0.0
         self._qk_norm_weight: torch.Tensor | None = None
 
     def post_load(self, eps: torch.Tensor) -> None:
         """Share the model's eps tensor; derive ``[heads + kv_heads, D]`` q/k norm weights so
         q and k normalise in one pass."""
         self.eps = eps
+        self.eps_value = float(eps)
         for name in self.projections:
             _install(self, name, prepare_weight(getattr(self, name)))
         if self.q_norm is not None and self.k_norm is not None:
@@ -113,10 +116,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cis: torch.Tensor, cache: torch.Tensor, batch: KindBatch
     ) -> None:
-        h.add_(matmul(self.attention(rms_norm(h, self.eps), cis, cache, batch), self.o_proj))
-        if self.o_bias is not None:
-            h.add_(self.o_bias)
-        h.add_(matmul(glu(rms_norm(h, self.eps), self.gate_up, self.cfg.act), self.down))
+        x = self.attention(add_rms_norm(h, None, self.eps, self.eps_value), cis, cache, batch)
+        x = add_rms_norm(h, matmul(x, self.o_proj, self.o_bias), self.eps, self.eps_value)
+        h.add_(matmul(glu(x, self.gate_up, self.cfg.act), self.down))
 
     def attention(
         self, x: torch.Tensor, cis: torch.Tensor, cache: torch.Tensor, batch: KindBatch

@@ -19,13 +19,14 @@ them unchanged; the K stored in the cache is permuted too, consistently.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvroom.errors import ModelSourceError
+from kvroom.models.kernels import cpu_kernels
+from kvroom.models.kernels import ops as native
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 """Rope variants whose frequencies do not depend on the sequence length at run time."""
@@ -54,7 +55,17 @@ def rms_norm(
     return y if weight is None else y.mul_(weight)
 
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, eps: torch.Tensor, eps_value: float
+) -> torch.Tensor:
+    """``h += delta`` (in place, when given), then ``rms_norm(h, eps)``: one native kernel
+    call on CPU (``kernels/cpu_kernels.cpp``) instead of five torch ops, else torch."""
+    out = native.add_rms_norm(h, delta, eps_value)
+    if out is not None:
+        return out
+    if delta is not None:
+        h.add_(delta)
+    return rms_norm(h, eps)
 
 
 def prepare_weight(w: torch.Tensor) -> torch.Tensor:
@@ -62,31 +73,30 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
 
     On CPU where oneDNN runs: oneDNN's prepacked layout. Decode-time GEMMs read every weight
     from DRAM once per step, and the blocked layout, reordered once at load, streams them far
-    better than MKL's plain GEMM over a row-major matrix: measured on this 2-core CPU for
+    better than MKL's plain GEMM over a row-major matrix: measured on a 2-core CPU for
     SmolLM2's 30 layers, 39 ms instead of 87 ms per step at 32 rows, 16 ms instead of 23 ms at
-    one row, and the 49k-column LM head 9 ms instead of 29 ms at 32 rows.
+    one row, and the 49k-column LM head 9 ms instead of 29 ms at 32 rows. bf16 weights are
+    packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to fp32 and packed
+    (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the output to bf16).
 
-    Elsewhere (CUDA, other dtypes, no oneDNN, or bf16 on a CPU without oneDNN's bf16 path,
-    such as an AVX2-only one): ``w`` as a row-major ``[in, out]`` matrix.
+    Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
-    if w.device.type == "cpu" and cpu_packable(w.dtype):
-        return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
-    return w.contiguous()
-
-
-@functools.cache
-def cpu_packable(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can prepack and run a CPU weight of ``dtype`` on this CPU: fp32 wherever
-    oneDNN runs; bf16 only where the CPU has oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or
-    AVX-NE-CONVERT), which ``_is_mkldnn_bf16_supported`` checks at run time."""
-    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return w.contiguous()
+    if w.dtype == torch.bfloat16 and not cpu_kernels().bf16_packed:
+        w = w.float()
+    elif w.dtype not in (torch.float32, torch.bfloat16):
+        return w.contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` for a ``[in, out]`` weight from ``prepare_weight``."""
     if w.is_mkldnn:
+        if w.dtype != x.dtype:  # widened bf16 weight: fp32 GEMM, output rounded to x's dtype
+            b = None if bias is None else bias.to(w.dtype)
+            y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, b, "none", [], "")
+            return y.to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 

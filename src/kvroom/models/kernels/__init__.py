@@ -1,0 +1,59 @@
+"""CPU kernel selection, made once per process and logged once.
+
+``cpu_kernels()`` reads the CPU's flags and decides:
+
+* bf16 projections: oneDNN's prepacked bf16 GEMM where the CPU runs it natively (AMX, or
+  AVX-512 BF16) or converts fast enough (AVX-512 BW/VL/DQ, AVX-NE-CONVERT: the ISAs oneDNN's
+  bf16 reorder requires); on other CPUs (AVX2 only) oneDNN has no bf16 GEMM at all and torch's
+  dense bf16 ``mm`` runs 10-100x slower than fp32, so the weights are widened to fp32 once at
+  load and every projection computes in fp32 with bf16 inputs and outputs (2x weight memory).
+* the native kernels (``build.library``): paged decode attention reading K/V in place from the
+  blocks, and the fused residual add + RMSNorm; None means the torch paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from kvroom.models.kernels.build import cpu_flags, library
+
+log = logging.getLogger("kvroom.kernels")
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    isa: str
+    """``amx``, ``avx512_bf16``, ``avx512``, ``avx2`` or ``generic``: the best bf16-relevant ISA."""
+    bf16_packed: bool
+    """bf16 projections run as oneDNN-packed bf16 GEMMs (else widened to fp32)."""
+    native: bool
+    """The compiled kernels (``cpu_kernels.cpp``) are loaded."""
+
+    def describe(self) -> str:
+        bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
+        attn = "native paged decode attention" if self.native else "torch SDPA (no native kernels)"
+        return f"CPU kernels: {self.isa}; bf16 projections: {bf16}; {attn}"
+
+
+def _isa(flags: frozenset[str]) -> str:
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "generic"
+
+
+@cache
+def cpu_kernels() -> CpuKernels:
+    """The kernels this CPU runs; decided and logged once per process."""
+    flags = cpu_flags()
+    packed = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    chosen = CpuKernels(isa=_isa(flags), bf16_packed=packed, native=library() is not None)
+    log.info(chosen.describe())
+    return chosen

@@ -1,0 +1,117 @@
+"""Build and load the native CPU kernels (``cpu_kernels.cpp``) once per CPU and compiler.
+
+The library is compiled on first use with ``g++ -O3 -march=native -fopenmp`` (about 2 s) into
+``$KVROOM_CACHE_DIR/kernels`` (default ``~/.cache/kvroom/kernels``), named by a hash of the
+source, the compiler and the CPU's flags, so a machine with another CPU builds its own copy and
+a rebuild happens only when one of them changes. The build writes a temporary file and renames
+it, so concurrent processes never load a half-written library. ``-fopenmp`` links
+``libgomp.so.1``, the SONAME of the OpenMP runtime torch already loaded, so the kernels run on
+torch's thread pool with torch's thread count.
+
+Where there is no compiler, the build fails, or ``KVROOM_NATIVE_KERNELS=0``, ``library()`` is
+None and every caller takes its pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("kvroom.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ABI_VERSION = 1
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVROOM_CACHE_DIR") or Path.home() / ".cache" / "kvroom"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [cxx, *_FLAGS, "-o", tmp, str(SOURCE)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.kvroom_decode_attention.argtypes = [
+        ptr,
+        i64,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        f32,
+        f32,
+        i32,
+    ]
+    lib.kvroom_decode_attention.restype = i32
+    lib.kvroom_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32]
+    lib.kvroom_add_rms_norm.restype = i32
+    return lib
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built first if needed; None when they cannot be had (logged once)."""
+    if os.environ.get("KVROOM_NATIVE_KERNELS", "1") == "0":
+        log.info("native CPU kernels: off (KVROOM_NATIVE_KERNELS=0); using torch kernels")
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("native CPU kernels: no C++ compiler (g++) found; using torch kernels")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join([cxx, *_FLAGS, *sorted(cpu_flags())]).encode())
+    key.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
+    target = cache_dir() / f"kvroom_cpu_{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(cxx, target)
+        lib = _signature(ctypes.CDLL(str(target)))
+        if lib.kvroom_abi_version() != ABI_VERSION:
+            raise OSError(f"{target}: ABI {lib.kvroom_abi_version()}, expected {ABI_VERSION}")
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        log.warning("native CPU kernels: build or load failed (%s); using torch kernels", detail)
+        return None
+    return lib

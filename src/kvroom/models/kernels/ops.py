@@ -1,0 +1,85 @@
+"""Python entry points of the native kernels; each returns None where it does not apply, and
+the caller then runs its torch path (``attention.py``, ``layers.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvroom.models.kernels import cpu_kernels
+from kvroom.models.kernels.build import library
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+SERIAL_MAX_ITEMS = 8
+"""Work items (decode: sequence x kv head; norm: rows) up to which a kernel runs on one thread:
+below it the OpenMP fork/join costs more than it saves, and on a shared machine the join may
+wait a whole scheduler slice for the other core."""
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor | None:
+    """``[B, H * D]`` attention of one query per sequence over its pool units, read in place.
+
+    Args:
+        q: ``[B, H, D]`` queries, head and dim dense (rows may be strided).
+        cache: the layer's pool ``[units, unit_len, 2, kv_heads, D]``, contiguous.
+        tables: ``[B, n]`` int64 pool units per sequence, contiguous.
+        lens: ``[B]`` int64 keys per sequence.
+    """
+    qd, kd = _DTYPES.get(q.dtype), _DTYPES.get(cache.dtype)
+    b, h, d = q.shape
+    if (
+        q.device.type != "cpu"
+        or qd is None
+        or kd is None
+        or (qd, kd) == (1, 0)
+        or q.stride(2) != 1
+        or q.stride(1) != d
+        or not cache.is_contiguous()
+        or not cpu_kernels().native
+    ):
+        return None
+    lib = library()
+    assert lib is not None
+    out = torch.empty(b, h * d, dtype=q.dtype)
+    rc = lib.kvroom_decode_attention(
+        q.data_ptr(), q.stride(0), qd, cache.data_ptr(), kd, tables.data_ptr(), tables.stride(0),
+        lens.data_ptr(), out.data_ptr(), b, h, cache.shape[3], d, cache.shape[1], scale,
+        softcap or 0.0, SERIAL_MAX_ITEMS,
+    )  # fmt: skip
+    assert rc == 0, f"kvroom_decode_attention returned {rc}"
+    return out
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, eps: float, weight: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``h += delta`` in place, then ``rms_norm(h) [* weight]`` as a new tensor; None where the
+    native kernel does not apply (the caller then does both in torch)."""
+    dt = _DTYPES.get(h.dtype)
+    if (
+        h.device.type != "cpu"
+        or dt is None
+        or h.dim() != 2
+        or not h.is_contiguous()
+        or (delta is not None and (delta.dtype != h.dtype or not delta.is_contiguous()))
+        or (weight is not None and (weight.dtype != h.dtype or not weight.is_contiguous()))
+        or not cpu_kernels().native
+    ):
+        return None
+    lib = library()
+    assert lib is not None
+    y = torch.empty_like(h)
+    rc = lib.kvroom_add_rms_norm(
+        h.data_ptr(), 0 if delta is None else delta.data_ptr(), y.data_ptr(),
+        0 if weight is None else weight.data_ptr(), dt, h.shape[0], h.shape[1], eps,
+        SERIAL_MAX_ITEMS,
+    )  # fmt: skip
+    assert rc == 0, f"kvroom_add_rms_norm returned {rc}"
+    return y
