@@ -58,17 +58,17 @@ def test_compile_with_a_halving_adjuster_saves_half_the_estimate(
 
 
 def test_small_pool_preempts_and_matches_transformers(gemma4_dir: Path, gemma4_artifact: Path):
-    """16 blocks hold one 64-token sequence: four 40-token requests preempt each other, and
+    """16 blocks hold one 64-token sequence: four 32-token requests preempt each other, and
     every output still equals transformers' greedy generate, token for token."""
     small = LLM(gemma4_artifact, kvcache_num_blocks=16)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [[3 + i, 40 + i, 7, 9 + 2 * i, 11, 12, 13, 14] for i in range(4)]
     got = small.generate(prompts, params)
     hf = transformers.AutoModelForCausalLM.from_pretrained(gemma4_dir).eval()
     for prompt, result in zip(prompts, got, strict=True):
         with torch.no_grad():
             ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+                torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False
             )
         assert list(result.token_ids) == ref[0, len(prompt) :].tolist()
     stats = small.runtime.engine.stats

@@ -109,9 +109,10 @@ def test_prefill_then_decode(variant: str, saved: dict) -> None:
     h.decode_all(NEW_TOKENS - 1)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["dense", "kv_shared"])
 def test_chunked_prefill_and_mixed_batch(variant: str, saved: dict) -> None:
-    """B prefills in chunks shorter and longer than the window while A decodes."""
+    """B prefills in chunks shorter and longer than the window while A decodes (kv_shared has
+    K=V and both sharing kinds; the MoE rows are independent of batching)."""
     h = _Harness(*saved[variant])
     a = h.add(prompt_len=6, seed=3)
     b = h.add(prompt_len=13, seed=4)
