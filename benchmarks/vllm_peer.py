@@ -22,9 +22,13 @@ and LM-head weights; attention's own FLOPs are left out, which flatters no one).
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # kvroom's default (see kvroom/__init__.py),
+# set before torch loads; vLLM's subprocess inherits it, so both engines run with the same one.
+
 import argparse
 import json
-import os
 import queue
 import statistics
 import subprocess
@@ -67,7 +71,7 @@ def main() -> None:
         return llm.generate(prompts, params, use_tqdm=False)
 
     generate(spec["workloads"]["batch"], 2, 4)  # warm-up
-    generate(spec["workloads"]["ttft"])
+    generate(spec["workloads"]["ttft"], 1)
     blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     report({"startup_s": startup_s, "num_gpu_blocks": blocks})
     while line := sys.stdin.readline().strip():  # one workload name per timed run; EOF ends
@@ -206,13 +210,16 @@ def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
     try:
         ready = peer.result(args.startup_timeout)
         bench_kvroom(llm, loads["batch"]["prompts"][:2], 4)  # warm-up
-        run_kvroom(llm, loads["ttft"])
+        bench_kvroom(llm, loads["ttft"]["prompts"][:1], 1)
         for _ in range(args.repeats):
             for name, w in loads.items():
                 seconds, ids[name]["vllm"] = peer.run(name, args.run_timeout)
                 secs[name]["vllm"].append(seconds)
                 seconds, ids[name]["kvroom"] = run_kvroom(llm, w)
                 secs[name]["kvroom"].append(seconds)
+                v, load = secs[name]["vllm"][-1], os.getloadavg()[0]
+                print(f"  {artifact.name} {name}: vLLM {v:.2f} s, kvroom {seconds:.2f} s", end="")
+                print(f"; load {load:.1f}", flush=True)
                 if name == "batch":
                     gflops.append(matmul_gflops())
     finally:

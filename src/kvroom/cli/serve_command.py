@@ -58,6 +58,13 @@ def add_serve_command(sub: Any) -> None:
         default=True,
         help="log one line per HTTP request (default on)",
     )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="image_url parts may name local files under DIR (default: none; http(s) URLs "
+        "are always refused)",
+    )
     add_live_pool_flags(p)
     add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -80,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(
             llm,
             served_model_name=args.served_model_name or args.artifact,
+            allowed_local_media_path=args.allowed_local_media_path,
             admin_key=args.admin_key,
             elastic=elastic,
         )

@@ -1,13 +1,18 @@
 """The paged KV pool: every byte of KV the runtime uses, on the device, resizable in place.
 
-Layout (``E = [2, num_kv_heads, head_dim]``: K at index 0, V at index 1, so a token's K and V
-are stored by one ``index_copy_``)::
+Layout: one store per KV group (``ModelSpec.kv_groups``: layers of one kind and one entry
+shape ``E = [entries, num_kv_heads, head_dim]``; entries 2 = K at index 0, V at index 1, so a
+token's K and V are stored by one ``index_copy_``; entries 1 = K=V, only V is stored)::
 
-    full layers     per layer: [num_blocks,        block_size,     *E]   (kv_pages.BlockStore)
-    sliding layers  _sliding:  [num_sliding_layers, num_sliding_slots, sliding_window, *E]
+    full group     per layer [num_blocks, block_size, *E]   (kv_pages.BlockStore, resizable)
+    sliding group  [group_layers, num_sliding_slots, sliding_window, *E]
 
     full:    position p of a sequence -> block block_table[p // block_size], row p % block_size
     sliding: position p of the sequence in slot s -> ring row p % sliding_window of slot s
+
+Every full group shares the block dimension (block b of a sequence is row b of each), so a
+resize or a migration applies to every full group alike. A layer that shares an earlier layer's
+KV (Gemma 4 ``num_kv_shared_layers``) gets that layer's tensor and owns no bytes.
 
 A sliding layer whose window covers ``max_seq_len`` is stored (and run) as a full layer
 (``ModelSpec.layer_kinds``). The pool is zero-filled: masked-out keys still flow through
@@ -28,10 +33,11 @@ engine moves K/V out of the blocks a shrink removes (``copy_blocks``) before shr
 steps. Sliding-window rings are one per seat (``num_sliding_slots`` = batch size), not per
 block: a resize leaves them as they are.
 
-Bytes, exactly the planner's formula (``kvh`` = kv heads, ``hd`` = head dim)::
+Bytes, exactly the planner's formula (per group: ``e`` entries, ``kvh`` kv heads, ``hd`` head
+dim; ``plan/kv.py``)::
 
-    nbytes = full_layers    x 2 x num_blocks        x block_size     x kvh x hd x dtype_bytes
-           + sliding_layers x 2 x num_sliding_slots x sliding_window x kvh x hd x dtype_bytes
+    nbytes = sum over full groups    layers x num_blocks        x block_size     x e x kvh x hd x b
+           + sum over sliding groups layers x num_sliding_slots x sliding_window x e x kvh x hd x b
 """
 
 from __future__ import annotations
@@ -43,11 +49,12 @@ import torch
 from kvroom.engine import kv_pages
 from kvroom.engine.kv_pages import BlockStore, make_block_store, zeros_lazy
 from kvroom.errors import ConfigError
-from kvroom.model_spec import LayerKind, ModelSpec
+from kvroom.model_spec import KVGroup, LayerKind, ModelSpec
 
 
 class KVCachePool:
-    """Per-layer tensors over the full-attention block stores and the sliding rings."""
+    """Per-layer tensors over the full-attention block stores and the sliding rings (one per
+    KV group)."""
 
     def __init__(
         self,
@@ -89,6 +96,7 @@ class KVCachePool:
                 f"got {max_num_blocks}"
             )
         self.layer_kinds: tuple[LayerKind, ...] = spec.layer_kinds(max_seq_len)
+        self.spec_layer_kv = spec.layer_kv
         self.block_size = block_size
         self.max_num_blocks = max_num_blocks
         self.num_sliding_slots = num_sliding_slots
@@ -98,13 +106,12 @@ class KVCachePool:
                 f"KVCachePool.num_sliding_slots: must be > 0 for sliding layers, "
                 f"got {num_sliding_slots}"
             )
-        entry = (2, spec.num_kv_heads, spec.head_dim)
-        n_full = self.layer_kinds.count("full")
-        n_sliding = self.layer_kinds.count("sliding")
+        self.groups: tuple[KVGroup, ...] = spec.kv_groups(max_seq_len)
+        full_groups = [g for g in self.groups if g.kind == "full"]
         self._stores: list[BlockStore] = [
             make_block_store(
-                n_full,
-                entry,
+                len(g.layers),
+                (g.num_entries, g.num_kv_heads, g.head_dim),
                 block_size=block_size,
                 num_blocks=num_blocks,
                 max_num_blocks=max_num_blocks,
@@ -112,10 +119,18 @@ class KVCachePool:
                 device=device,
                 backend=backend,
             )
+            for g in full_groups
         ]
-        """Full-attention layers, one store per entry shape (all share the block ids)."""
+        """Full-attention groups, one store each (all share the block ids)."""
         ring = (num_sliding_slots, self.sliding_window or 0)
-        self._sliding = zeros_lazy((n_sliding, *ring, *entry), dtype, device)
+        self._rings: list[torch.Tensor] = [
+            zeros_lazy(
+                (len(g.layers), *ring, g.num_entries, g.num_kv_heads, g.head_dim), dtype, device
+            )
+            for g in self.groups
+            if g.kind == "sliding"
+        ]
+        self._num_blocks = num_blocks
         self._populating: kv_pages.Populator | None = None
         self._populate_started = False
         self.layers: list[torch.Tensor] = self._layer_views()
@@ -123,14 +138,27 @@ class KVCachePool:
         The objects never change; a resize changes their first dimension."""
 
     def _layer_views(self) -> list[torch.Tensor]:
-        full = iter([t for store in self._stores for t in store.layers])
-        sliding = iter(self._sliding)
-        return [next(full) if k == "full" else next(sliding) for k in self.layer_kinds]
+        views: dict[int, torch.Tensor] = {}
+        stores, rings = iter(self._stores), iter(self._rings)
+        for group in self.groups:
+            tensors = next(stores).layers if group.kind == "full" else list(next(rings))
+            views.update(zip(group.layers, tensors, strict=True))
+        for group in self.groups:
+            for i in group.shared_layers:
+                source = self.spec_layer_kv[i].kv_source
+                assert source is not None
+                views[i] = views[source]
+        return [views[i] for i in range(len(self.layer_kinds))]
+
+    @property
+    def full_tensors(self) -> list[torch.Tensor]:
+        """Every full-attention layer's tensor; dimension 0 of each is the block dimension."""
+        return [t for store in self._stores for t in store.layers]
 
     @property
     def num_blocks(self) -> int:
         """Blocks of the full-attention pool now."""
-        return self._stores[0].num_blocks
+        return self._num_blocks
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +172,7 @@ class KVCachePool:
 
     def nbytes(self) -> int:
         """Bytes the pool holds now: committed full-attention blocks plus the rings."""
-        return sum(s.nbytes() for s in self._stores) + self._sliding.nbytes
+        return sum(s.nbytes() for s in self._stores) + sum(t.nbytes for t in self._rings)
 
     # -- resizing --------------------------------------------------------------------------
 
@@ -173,6 +201,7 @@ class KVCachePool:
         restart = self._stop_populating()
         for store in self._stores:
             store.resize(num_blocks)
+        self._num_blocks = num_blocks
         if restart:
             self._populating = self._start_populator()
 
@@ -204,8 +233,9 @@ class KVCachePool:
                 t.view(-1).view(torch.uint8)[::4096].add_(0)  # one byte per page, unchanged
 
     def _resident_tensors(self) -> list[torch.Tensor]:
-        full = [t for s in self._stores for t in s.layers]
-        return [t for t in (*full, self._sliding) if t.device.type == "cpu" and t.nbytes]
+        return [
+            t for t in (*self.full_tensors, *self._rings) if t.device.type == "cpu" and t.nbytes
+        ]
 
     def _start_populator(self) -> kv_pages.Populator | None:
         ranges = [kv_pages.tensor_range(t) for t in self._resident_tensors()]
