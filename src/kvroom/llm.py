@@ -21,7 +21,8 @@ from kvroom.runtime import Runtime, build_runtime
 
 logger = logging.getLogger("kvroom")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or vLLM's ``{"prompt": text, "multi_modal_data": {"image": ...}}``."""
 Message = Mapping[str, str]
 
 
@@ -88,14 +89,22 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text, or a list of token ids); results in prompt order.
+        """Generate for every prompt; results in prompt order.
+
+        A prompt is text, token ids, or a dict ``{"prompt": text, "multi_modal_data":
+        {"image": image or [images]}}`` (vLLM's form) whose text holds the model's image
+        placeholder once per image (Qwen3-VL: ``<|vision_start|><|image_pad|><|vision_end|>``);
+        kvroom expands it to the image's token count. An image is a PIL image, bytes, a path
+        or a ``data:`` URL.
 
         Raises:
             AdmissionError: a prompt can never be served (too long, larger than the pool); no
                 request of this call is left running.
+            ConfigError: an image does not decode, has an unsupported format, or there are
+                more than ``max_images_per_request`` (all ``ValueError`` s).
         """
-        token_lists = [self._encode(p) for p in _as_prompt_list(prompts)]
-        return self._run(token_lists, sampling_params)
+        items = [self._prepare(p) for p in _as_prompt_list(prompts)]
+        return self._run(items, sampling_params)
 
     def chat(
         self,
@@ -105,7 +114,7 @@ class LLM:
         """Apply the chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         token_lists = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self._run(token_lists, sampling_params)
+        return self._run([(t, None) for t in token_lists], sampling_params)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -118,28 +127,52 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
         """Yield each step's output of one request (used by ``kvroom run``)."""
         engine = self.runtime.engine
-        request_id = engine.add_request(self._encode(prompt), params)
+        tokens, multimodal = self._prepare(prompt)
+        request_id = engine.add_request(tokens, params, multimodal=multimodal)
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id == request_id:
                     yield out
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
+    def _prepare(self, prompt: Prompt) -> tuple[list[int], Any]:
+        """Token ids and the model's multimodal inputs (None for a text prompt)."""
+        if not isinstance(prompt, Mapping):
+            return self._encode(prompt), None
+        from kvroom.media import load_image
+
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown:
+            raise ConfigError(f"prompt: unknown key(s) {', '.join(unknown)}")
+        tokens = self._encode(prompt.get("prompt_token_ids") or prompt.get("prompt") or "")
+        data = dict(prompt.get("multi_modal_data") or {})
+        if set(data) - {"image"}:
+            raise ConfigError(f"multi_modal_data: only 'image' is supported, got {sorted(data)}")
+        items = data.get("image")
+        if items is None:
+            return tokens, None
+        images = [load_image(i) for i in (items if isinstance(items, list | tuple) else [items])]
+        model = self.runtime.runner.model
+        if not hasattr(model, "prepare_prompt"):
+            raise ConfigError(f"{self.runtime.spec.architecture} does not take images")
+        return model.prepare_prompt(tokens, images)
+
     def _run(
         self,
-        token_lists: list[list[int]],
+        items: list[tuple[list[int], Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[GenerationResult]:
-        params = _as_params_list(sampling_params, len(token_lists))
+        token_lists = [tokens for tokens, _ in items]
+        params = _as_params_list(sampling_params, len(items))
         engine = self.runtime.engine
         ids: list[str] = []
         try:
-            for tokens, p in zip(token_lists, params, strict=True):
-                ids.append(engine.add_request(tokens, p))
+            for (tokens, multimodal), p in zip(items, params, strict=True):
+                ids.append(engine.add_request(tokens, p, multimodal=multimodal))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
@@ -164,7 +197,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):

@@ -57,6 +57,8 @@ def build_runtime(
     kinds = spec.layer_kinds(cfg.max_seq_len)
     num_slots = cfg.batch_size if "sliding" in kinds else 0
     model = load_model(info.folder, dtype=getattr(torch, cfg.dtype), device=device)
+    if hasattr(model, "configure_multimodal"):
+        model.configure_multimodal(info.folder, cfg)
     pool = KVCachePool(
         spec,
         num_blocks=plan.num_blocks,

@@ -63,8 +63,8 @@ def test_layer_views_have_the_documented_shapes_and_share_the_pool() -> None:
         (3, 8, 2, 2, 4),
     ]
     pool.layers[1][4, 3, 1].fill_(7.0)
-    assert pool.nbytes() == sum(t.nbytes for t in (pool._full, pool._sliding))
-    assert pool._full[0, 4, 3, 1].eq(7.0).all()
+    assert pool.nbytes() == sum(t.nbytes for t in pool._tensors)
+    assert pool.full_tensors[0][0, 4, 3, 1].eq(7.0).all()
     assert pool.num_tokens == 20
 
 
@@ -93,7 +93,7 @@ def test_cpu_pool_becomes_resident_in_the_background_without_losing_writes() -> 
     pool.touch()
     assert _rss_bytes() - before >= 240 * 2**20
     assert pool.layers[1][-1].eq(3.0).all() and pool.layers[0][0].eq(2.0).all()
-    assert int(pool._full.count_nonzero()) == pool.layers[1][-1].numel()
+    assert int(pool.full_tensors[0].count_nonzero()) == pool.layers[1][-1].numel()
 
 
 def test_touch_without_the_kernel_populate_keeps_contents(monkeypatch) -> None:
@@ -104,7 +104,7 @@ def test_touch_without_the_kernel_populate_keeps_contents(monkeypatch) -> None:
     pool.touch()
     assert pool._populating is not None and not pool._populating.populated
     assert pool.layers[1][7].eq(-1.5).all()
-    assert int(pool._full.count_nonzero()) == pool.layers[1][7].numel()
+    assert int(pool.full_tensors[0].count_nonzero()) == pool.layers[1][7].numel()
 
 
 def test_bad_sizes_raise_config_error() -> None:

@@ -57,6 +57,13 @@ def add_serve_command(sub: Any) -> None:
         default=True,
         help="log one line per HTTP request (default on)",
     )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="image_url parts may name local files under DIR (default: none; http(s) URLs "
+        "are always refused)",
+    )
     add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -76,7 +83,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.artifact, **startup_overrides(args))
         plan = llm.runtime.plan
         note = persist(args.artifact, plan.num_blocks) if args.persist else "artifact unchanged"
-        app = create_app(llm, served_model_name=args.served_model_name or args.artifact)
+        app = create_app(
+            llm,
+            served_model_name=args.served_model_name or args.artifact,
+            allowed_local_media_path=args.allowed_local_media_path,
+        )
         host, port = sock.getsockname()[:2]
         _say(f"{plan.summary_line()} ({note})")
         _say(f"serving {args.artifact} on {_url(host, port)} (OpenAI API under /v1)")

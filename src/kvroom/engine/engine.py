@@ -113,8 +113,9 @@ class LLMEngine:
         prompt_token_ids: Iterable[int],
         params: SamplingParams,
         request_id: str | None = None,
+        multimodal: object | None = None,
     ) -> str:
-        """Queue a request.
+        """Queue a request (``multimodal``: the prompt's images, as the model prepared them).
 
         Returns:
             The request id (``request_id``, or a fresh one).
@@ -132,7 +133,9 @@ class LLMEngine:
                 f"request {request_id!r}: stop strings {params.stop!r} need a detokenizer; "
                 "pass detokenize= to LLMEngine or drop SamplingParams.stop"
             )
-        seq = Sequence(seq_id, tuple(prompt_token_ids), params, self.eos_token_ids)
+        seq = Sequence(
+            seq_id, tuple(prompt_token_ids), params, self.eos_token_ids, multimodal=multimodal
+        )
         self.scheduler.add(seq)
         detokenizer = IncrementalDetokenizer(self.detokenize) if self.detokenize else None
         request = _Request(request_id, seq, detokenizer)

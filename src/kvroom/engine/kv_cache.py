@@ -1,13 +1,18 @@
 """The paged KV pool: every byte of KV the runtime will ever use, allocated once on the device.
 
-Layout (``E = [2, num_kv_heads, head_dim]``: K at index 0, V at index 1, so a token's K and V
-are stored by one ``index_copy_``)::
+Layout: one tensor per KV group (``ModelSpec.kv_groups``: layers of one kind and one entry
+shape ``E = [entries, num_kv_heads, head_dim]``; entries 2 = K at index 0, V at index 1, so a
+token's K and V are stored by one ``index_copy_``; entries 1 = K=V, only V is stored)::
 
-    full layers     _full:    [num_full_layers,    num_blocks,        block_size,     *E]
-    sliding layers  _sliding: [num_sliding_layers, num_sliding_slots, sliding_window, *E]
+    full group     [group_layers, num_blocks,        block_size,     *E]
+    sliding group  [group_layers, num_sliding_slots, sliding_window, *E]
 
     full:    position p of a sequence -> block block_table[p // block_size], row p % block_size
     sliding: position p of the sequence in slot s -> ring row p % sliding_window of slot s
+
+Every full group shares the block dimension (block b of a sequence is row b of each). A layer
+that shares an earlier layer's KV (Gemma 4 ``num_kv_shared_layers``) gets that layer's view and
+owns no bytes.
 
 A sliding layer whose window covers ``max_seq_len`` is stored (and run) as a full layer
 (``ModelSpec.layer_kinds``). The pool is zero-filled: masked-out keys still flow through
@@ -21,10 +26,11 @@ does not wait for a multi-GiB memset (``torch.zeros`` of the default 2.8 GiB poo
 here, 2-4 s on a busy machine), and decode steps do not pay page faults either: left to first
 touch, a 32-sequence decode step's K/V stores measured 200+ us per layer instead of 40 us.
 
-Bytes, exactly the planner's formula (``kvh`` = kv heads, ``hd`` = head dim)::
+Bytes, exactly the planner's formula (per group: ``e`` entries, ``kvh`` kv heads, ``hd`` head
+dim; ``plan/kv.py``)::
 
-    nbytes = full_layers    x 2 x num_blocks        x block_size     x kvh x hd x dtype_bytes
-           + sliding_layers x 2 x num_sliding_slots x sliding_window x kvh x hd x dtype_bytes
+    nbytes = sum over full groups    layers x num_blocks        x block_size     x e x kvh x hd x b
+           + sum over sliding groups layers x num_sliding_slots x sliding_window x e x kvh x hd x b
 """
 
 from __future__ import annotations
@@ -39,11 +45,11 @@ import threading
 import torch
 
 from kvroom.errors import ConfigError
-from kvroom.model_spec import LayerKind, ModelSpec
+from kvroom.model_spec import KVGroup, LayerKind, ModelSpec
 
 
 class KVCachePool:
-    """Per-layer views over two preallocated tensors (one per layer kind)."""
+    """Per-layer views over preallocated tensors (one per KV group)."""
 
     def __init__(
         self,
@@ -74,6 +80,7 @@ class KVCachePool:
             if value <= 0:
                 raise ConfigError(f"KVCachePool.{name}: must be > 0, got {value}")
         self.layer_kinds: tuple[LayerKind, ...] = spec.layer_kinds(max_seq_len)
+        self.spec_layer_kv = spec.layer_kv
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_sliding_slots = num_sliding_slots
@@ -83,20 +90,38 @@ class KVCachePool:
                 f"KVCachePool.num_sliding_slots: must be > 0 for sliding layers, "
                 f"got {num_sliding_slots}"
             )
-        entry = (2, spec.num_kv_heads, spec.head_dim)
-        n_full = self.layer_kinds.count("full")
-        n_sliding = self.layer_kinds.count("sliding")
-        self._full = zeros_lazy((n_full, num_blocks, block_size, *entry), dtype, device)
+        self.groups: tuple[KVGroup, ...] = spec.kv_groups(max_seq_len)
         ring = (num_sliding_slots, self.sliding_window or 0)
-        self._sliding = zeros_lazy((n_sliding, *ring, *entry), dtype, device)
+        self._tensors: list[torch.Tensor] = [
+            zeros_lazy(
+                (
+                    len(g.layers),
+                    *((num_blocks, block_size) if g.kind == "full" else ring),
+                    g.num_entries,
+                    g.num_kv_heads,
+                    g.head_dim,
+                ),
+                dtype,
+                device,
+            )
+            for g in self.groups
+        ]
         self._populating: _Populator | None = None
         self._populate_started = False
         self.layers: list[torch.Tensor] = self._layer_views()
-        """Per layer its ``[units, unit_len, 2, kv_heads, head_dim]`` view (model input)."""
+        """Per layer its ``[units, unit_len, entries, kv_heads, head_dim]`` view (model input);
+        a layer sharing KV gets its source's view."""
 
     def _layer_views(self) -> list[torch.Tensor]:
-        full, sliding = iter(self._full), iter(self._sliding)
-        return [next(full) if k == "full" else next(sliding) for k in self.layer_kinds]
+        views: dict[int, torch.Tensor] = {}
+        for group, tensor in zip(self.groups, self._tensors, strict=True):
+            views.update(zip(group.layers, tensor, strict=True))
+        for group in self.groups:
+            for i in group.shared_layers:
+                source = self.spec_layer_kv[i].kv_source
+                assert source is not None
+                views[i] = views[source]
+        return [views[i] for i in range(len(self.layer_kinds))]
 
     def start_populating(self) -> None:
         """Start faulting the CPU pool's pages in on a background thread (once; a no-op on
@@ -104,7 +129,7 @@ class KVCachePool:
         share the CPU with it."""
         if not self._populate_started:
             self._populate_started = True
-            self._populating = populate_in_background([self._full, self._sliding])
+            self._populating = populate_in_background(self._tensors)
 
     def touch(self) -> None:
         """Return once every page of the pool is resident (the profiling pass counts resident
@@ -114,12 +139,17 @@ class KVCachePool:
             return
         self._populating.join()
         if not self._populating.populated:
-            for t in (self._full, self._sliding):
+            for t in self._tensors:
                 t.view(-1).view(torch.uint8)[::4096].add_(0)  # one byte per page, unchanged
+
+    @property
+    def full_tensors(self) -> list[torch.Tensor]:
+        """The full-attention groups' tensors; dimension 1 of each is the block dimension."""
+        return [t for g, t in zip(self.groups, self._tensors, strict=True) if g.kind == "full"]
 
     def nbytes(self) -> int:
         """Bytes held by the pool: the sum of its tensors' ``nbytes``."""
-        return self._full.nbytes + self._sliding.nbytes
+        return sum(t.nbytes for t in self._tensors)
 
     @property
     def num_tokens(self) -> int:

@@ -84,11 +84,15 @@ class ModelRunner:
             dtype=self.model.dtype,
             device=self.device,
         )
+        extra = {}
+        if any(s.multimodal is not None for s in seqs):
+            extra["multimodal"] = [(s.multimodal, s.start_pos, len(s.token_ids)) for s in seqs]
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             self.pool.layers,
             meta,
+            **extra,
         )
         sampled = [s for s in seqs if s.needs_sample]
         if not sampled:

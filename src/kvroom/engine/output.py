@@ -32,6 +32,9 @@ class ScheduledSeq:
     """How to sample; ``sampling.seed`` seeds a per-sequence generator kept by the runner."""
     num_generated: int = 0
     """Tokens generated so far (a recomputed preempted sequence keeps its count)."""
+    multimodal: object | None = None
+    """The sequence's images etc. (``models.multimodal.MultimodalInputs``), passed to the
+    model with every chunk; the scheduler and the runner never look inside."""
 
 
 @dataclass(frozen=True)

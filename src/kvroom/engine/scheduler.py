@@ -245,6 +245,7 @@ class Scheduler:
             needs_sample=end == seq.num_tokens,
             sampling=seq.params,
             num_generated=len(seq.output_token_ids),
+            multimodal=seq.multimodal,
         )
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:

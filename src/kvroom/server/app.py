@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import signal
 import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -34,6 +36,7 @@ from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
 from kvroom.llm import LLM
 from kvroom.server.async_engine import AsyncEngine
+from kvroom.server.images import ChatImages
 from kvroom.server.metrics import ServerMetrics
 from kvroom.server.protocol import (
     ApiError,
@@ -49,9 +52,19 @@ from kvroom.server.serving import Job, ServerState, json_response, serve_job
 router = APIRouter()
 
 
-def create_app(llm: LLM, *, served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does."""
+def create_app(
+    llm: LLM,
+    *,
+    served_model_name: str | None = None,
+    allowed_local_media_path: str | Path | None = None,
+) -> FastAPI:
+    """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does.
+
+    ``allowed_local_media_path``: the folder ``image_url`` parts may name local files in.
+    """
     runtime = llm.runtime
+    model = runtime.runner.model
+    media = Path(allowed_local_media_path) if allowed_local_media_path else None
     engine = AsyncEngine(runtime.engine)
     state = ServerState(
         engine=engine,
@@ -61,6 +74,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None) -> FastAPI:
         artifact=str(runtime.info.folder),
         max_seq_len=runtime.info.config.max_seq_len,
         vocab_size=runtime.spec.vocab_size,
+        images=ChatImages(model, media) if hasattr(model, "prepare_prompt") else None,
     )
 
     @contextlib.asynccontextmanager
@@ -121,11 +135,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     s = _state(request)
     _check_request(s, body)
-    prompt_ids = _chat_prompt_ids(s, body)
+    prompt_ids, multimodal = _chat_prompt_ids(s, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, s.model_name)
     job = _job(s, body, prompt_ids, body.max_new_tokens, fmt, "messages")
-    return await serve_job(s, job, request)
+    return await serve_job(s, dataclasses.replace(job, multimodal=multimodal), request)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -172,14 +186,19 @@ def _completion_prompt_ids(s: ServerState, prompt: str | list[Any]) -> list[int]
     return list(prompt)
 
 
-def _chat_prompt_ids(s: ServerState, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt_ids(s: ServerState, body: ChatCompletionRequest) -> tuple[list[int], Any]:
+    """Prompt ids (placeholders expanded) and the model's multimodal inputs (None: text)."""
     if not getattr(s.tokenizer, "chat_template", None):
         raise ApiError(
             400,
             "this model's tokenizer has no chat template; use /v1/completions",
             param="messages",
         )
-    messages = [m.as_template_input() for m in body.messages]
+    urls = [u for m in body.messages for u in m.image_urls()]
+    if urls and s.images is None:
+        raise ApiError(400, "this model does not take images", param="messages")
+    placeholder = s.images.placeholder if s.images is not None else ""
+    messages = [m.as_template_input(placeholder) for m in body.messages]
     try:
         ids = s.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -188,7 +207,10 @@ def _chat_prompt_ids(s: ServerState, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(
             400, f"the chat template rejected these messages: {exc}", param="messages"
         ) from exc
-    return list(ids)
+    if not urls:
+        return list(ids), None
+    assert s.images is not None
+    return s.images.prepare_prompt(list(ids), urls)
 
 
 def _job(

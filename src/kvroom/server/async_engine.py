@@ -25,6 +25,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvroom.engine.engine import EngineStats, LLMEngine, RequestOutput
 from kvroom.engine.sampling import SamplingParams
@@ -56,6 +57,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     sink: _Sink
+    multimodal: Any = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,11 @@ class AsyncEngine:
     # -- event-loop side -----------------------------------------------------------------
 
     async def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        multimodal: Any = None,
     ) -> RequestStream:
         """Submit a request and wait until the engine has queued it.
 
@@ -160,7 +166,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, admitted=loop.create_future())
-        self._submit(_Add(request_id, prompt_token_ids, params, sink))
+        self._submit(_Add(request_id, prompt_token_ids, params, sink, multimodal))
         try:
             await sink.admitted
         except asyncio.CancelledError:
@@ -216,7 +222,10 @@ class AsyncEngine:
             return  # its handler's event loop is gone: nobody would read the outputs
         try:
             self._engine.add_request(
-                command.prompt_token_ids, command.params, request_id=command.request_id
+                command.prompt_token_ids,
+                command.params,
+                request_id=command.request_id,
+                multimodal=command.multimodal,
             )
         except AdmissionError as exc:
             _resolve(command.sink, exc)

@@ -48,6 +48,8 @@ class ServerState:
     artifact: str
     max_seq_len: int
     vocab_size: int
+    images: Any = None
+    """``images.ChatImages`` when the model takes images, else None."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` exactly as ``LLM.generate`` would make them."""
@@ -67,12 +69,16 @@ class Job:
     prompt_param: str
     """The request field that holds the prompt ('prompt' or 'messages'), for error bodies."""
     arrival_time: float = field(default_factory=time.monotonic)
+    multimodal: Any = None
+    """The prompt's images as the model prepared them (``image_url`` parts), or None."""
 
 
 async def serve_job(s: ServerState, job: Job, request: Request) -> Response:
     """Submit ``job``; stream it, or wait for it while watching for a disconnect."""
     try:
-        stream = await s.engine.add_request(job.prompt_token_ids, job.params, job.request_id)
+        stream = await s.engine.add_request(
+            job.prompt_token_ids, job.params, job.request_id, multimodal=job.multimodal
+        )
     except AdmissionError as exc:
         blame_prompt = not 0 < len(job.prompt_token_ids) < s.max_seq_len
         param = job.prompt_param if blame_prompt else "max_tokens"
