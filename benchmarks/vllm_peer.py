@@ -173,7 +173,7 @@ def workloads(llm: LLM, num_requests: int, new_tokens: int) -> dict[str, dict[st
 
 def flops_per_token(llm: LLM) -> float:
     """2 x (qkv + o + gate/up/down weights of every layer + the LM head)."""
-    s = llm.runtime.info.spec
+    s = llm.runtime.spec
     attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     attn += s.num_heads * s.head_dim * s.hidden_size
     mlp = 3 * s.hidden_size * s.intermediate_size
@@ -312,7 +312,10 @@ def main() -> None:
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or KVROOM_VLLM_PYTHON) is required")
-    results = [compare(a, args) for a in args.artifacts]
+    results = []
+    for artifact in args.artifacts:  # each artifact's table as soon as it is done
+        results.append(compare(artifact, args))
+        print("\n".join(table(results[-1:])), flush=True)
     print_report(results, args.repeats)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -81,12 +81,41 @@ GEMMA3_TINY: dict[str, Any] = {
 }
 """Defaults of ``write_tiny_gemma3``: 4 layers alternating sliding (window 8) and full."""
 
+GEMMA4_TINY: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "vocab_size_per_layer_input": TINY_VOCAB_SIZE,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "global_head_dim": 16,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 4,
+    "max_position_embeddings": 128,
+    "sliding_window": 8,
+    "final_logit_softcapping": 30.0,
+    "layer_types": [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+}
+"""Defaults of ``write_tiny_gemma4``: 5 layers; full layers K=V with 1 KV head of 16 dims,
+sliding layers 2 KV heads of 8 (window 8); the last 2 layers share earlier KV; PLE of 4."""
+
 _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_TINY),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**LLAMA_TINY, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_TINY),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", LLAMA_TINY),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TINY),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TINY),
 }
 """model_type -> (transformers config class, model class, tiny defaults)."""
 
@@ -101,6 +130,11 @@ def write_tiny_llama(path: str | Path, *, seed: int = 0, **config_overrides: Any
 def write_tiny_gemma3(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
     """A tiny hybrid ``Gemma3ForCausalLM`` folder (see ``GEMMA3_TINY``)."""
     return write_tiny_model(path, "gemma3_text", seed=seed, **config_overrides)
+
+
+def write_tiny_gemma4(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """A tiny ``Gemma4ForCausalLM`` folder (see ``GEMMA4_TINY``): K=V and KV-shared layers."""
+    return write_tiny_model(path, "gemma4_text", seed=seed, **config_overrides)
 
 
 def write_tiny_model(
@@ -188,3 +222,75 @@ def compile_tiny_artifact(
 
     kvroom_compile(src, out, {**TINY_COMPILE_CONFIG, **config_overrides}, profile=profile)
     return Path(out)
+
+
+QWEN3_VL_SPECIAL = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+"""Added after the tiny vocabulary: ids 300 .. 303."""
+QWEN3_VL_TEXT: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE + len(QWEN3_VL_SPECIAL),
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+QWEN3_VL_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "patch_size": 8,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 32,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
+QWEN3_VL_MAX_PIXELS = 64 * 64
+"""The tiny processor's ``max_pixels``: at most (64 / 16)^2 = 16 tokens per image."""
+
+
+def write_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
+    """A tiny ``Qwen3VLForConditionalGeneration`` folder with its image processor config; the
+    tokenizer knows ``QWEN3_VL_SPECIAL`` (ids 300..303)."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    ids = dict(zip(("vision_start", "image", "vision_end", "video"), range(300, 304), strict=True))
+    config = transformers.Qwen3VLConfig(
+        text_config={**QWEN3_VL_TEXT, "pad_token_id": PAD_ID},
+        vision_config=QWEN3_VL_VISION,
+        **{f"{k}_token_id": v for k, v in ids.items()},
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    model.save_pretrained(path)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3_VL_SPECIAL)})
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(
+        patch_size=8,
+        temporal_patch_size=2,
+        merge_size=2,
+        size={"shortest_edge": 16 * 16, "longest_edge": QWEN3_VL_MAX_PIXELS},
+    ).save_pretrained(path)
+    return path

@@ -7,6 +7,7 @@ that uses the measured runtime memory when the profiling pass ran.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 
 from kvroom.adjust import require_estimate_fits, resolve_num_blocks
 from kvroom.artifact.layout import ArtifactInfo
-from kvroom.config import DecoderOnlyConfig
+from kvroom.config import DecoderOnlyConfig, config_class_for
 from kvroom.device import resolve_device_memory
 from kvroom.model_spec import ModelSpec
 from kvroom.plan import MemoryPlan, compute_plan
@@ -43,10 +44,18 @@ class PlannedModel:
         return ArtifactInfo(folder, self.config, plan, model).with_plan(plan)
 
 
-def as_config(config: DecoderOnlyConfig | Mapping[str, Any] | None) -> DecoderOnlyConfig:
-    if isinstance(config, DecoderOnlyConfig):
+def as_config(
+    config: DecoderOnlyConfig | Mapping[str, Any] | None, architecture: str | None = None
+) -> DecoderOnlyConfig:
+    """``config`` as the config class ``architecture`` needs (``config.config_class_for``);
+    a plain ``DecoderOnlyConfig`` given for such an architecture is widened with defaults."""
+    cls = config_class_for(architecture) if architecture else DecoderOnlyConfig
+    if isinstance(config, cls):
         return config
-    return DecoderOnlyConfig(**dict(config or {}))
+    if isinstance(config, DecoderOnlyConfig):
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return cls(**fields)
+    return cls(**dict(config or {}))
 
 
 def plan_model(
@@ -62,10 +71,10 @@ def plan_model(
     Raises:
         ModelSourceError, ConfigError, MemoryNotEnoughError, AdjusterError.
     """
-    cfg = as_config(config)
-    memory = resolve_device_memory(cfg.device, cfg.device_memory)
     source = resolve_source(model)
     spec = ModelSpec.from_hf_config(source.hf_config)
+    cfg = as_config(config, spec.architecture)
+    memory = resolve_device_memory(cfg.device, cfg.device_memory)
     plan = compute_plan(spec, cfg, num_parameters=source.num_parameters, memory=memory)
     if apply_policy:
         plan = resolve_num_blocks(plan, cfg)
@@ -75,13 +84,15 @@ def plan_model(
 
 def load_hf_model(planned: PlannedModel) -> tuple[Any, Any]:
     """The source's transformers model (in the artifact dtype) and tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoTokenizer
 
     from kvroom.artifact.writer import torch_dtype
 
     src = planned.source
     tokenizer = AutoTokenizer.from_pretrained(str(src.folder), **src.hf_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
+    auto = "AutoModelForImageTextToText" if planned.spec.vision else "AutoModelForCausalLM"
+    model = getattr(transformers, auto).from_pretrained(
         str(src.folder), dtype=torch_dtype(planned.config.dtype), **src.hf_kwargs
     )
     return model, tokenizer
@@ -111,6 +122,7 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
     hf_model, tokenizer = load_hf_model(planned)
 
     def finalize(folder: Path) -> ArtifactInfo:
+        _copy_processor_files(planned.source.folder, folder)
         plan = planned.plan
         if profile:
             from kvroom.profiling import measure_runtime_bytes
@@ -128,3 +140,15 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
         overwrite=overwrite,
         finalize=finalize,
     )
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
+"""Files of a multimodal source the artifact keeps beside the tokenizer's."""
+
+
+def _copy_processor_files(source: Path, folder: Path) -> None:
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (folder / name).exists():
+            shutil.copyfile(source / name, folder / name)

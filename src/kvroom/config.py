@@ -154,3 +154,51 @@ class DecoderOnlyConfig:
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name}: must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Qwen3VLModelConfig(DecoderOnlyConfig):
+    """A Qwen3-VL artifact: the decoder's knobs plus what images may cost in memory."""
+
+    max_images_per_request: int = 1
+    """Most images one request may carry."""
+    max_image_pixels: int = 512 * 512
+    """Largest image, in pixels after the processor's resize (its ``max_pixels``)."""
+    encoder_cache_images: int = 4
+    """Vision-encoder outputs kept for reuse (recompute after preemption does not re-encode)."""
+    image_processor: Any = field(default=None, compare=False)
+    """A ready image processor to use instead of the artifact's (never saved)."""
+
+    _non_save_attributes: ClassVar[tuple[str, ...]] = ("image_processor",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_images_per_request", "max_image_pixels", "encoder_cache_images"):
+            _require_positive_int(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Qwen3VLForConditionalGenerationConfig(Qwen3VLModelConfig):
+    """The config ``Qwen3VLForConditionalGeneration`` artifacts are built with. It declares
+    its own exclusions; the merge over the MRO keeps every inherited one (the adjuster too)."""
+
+    image_loader: Callable[[Any], Any] | None = field(default=None, compare=False)
+    """Turns one ``multi_modal_data`` image item into a PIL image (never saved)."""
+
+    _non_save_attributes: ClassVar[tuple[str, ...]] = ("image_loader",)
+
+
+CONFIG_CLASSES: dict[str, type[DecoderOnlyConfig]] = {
+    cls.__name__: cls
+    for cls in (DecoderOnlyConfig, Qwen3VLModelConfig, Qwen3VLForConditionalGenerationConfig)
+}
+"""Class name (``kvroom_config.json``'s ``config_class``) -> config class."""
+
+CONFIG_CLASS_BY_ARCHITECTURE: dict[str, type[DecoderOnlyConfig]] = {
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGenerationConfig,
+}
+"""Architectures whose artifacts need more than ``DecoderOnlyConfig``."""
+
+
+def config_class_for(architecture: str) -> type[DecoderOnlyConfig]:
+    return CONFIG_CLASS_BY_ARCHITECTURE.get(architecture, DecoderOnlyConfig)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvroom.artifact.resize import startup_plan
-from kvroom.engine.engine import RequestOutput
+from kvroom.engine.engine import RequestOutput, ResizeResult
+from kvroom.engine.live_pool import KVCacheState, resolve_resize
 from kvroom.engine.output import TokenLogprobs
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
@@ -23,7 +24,8 @@ from kvroom.runtime import Runtime, build_runtime
 
 logger = logging.getLogger("kvroom")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or vLLM's ``{"prompt": text, "multi_modal_data": {"image": ...}}``."""
 Message = Mapping[str, str]
 
 
@@ -83,6 +85,7 @@ class LLM:
         kvcache_memory_fraction: float | None = None,
         kvcache_num_blocks_adjuster: Callable[..., int] | None = None,
         device: str | None = None,
+        kvcache_max_blocks: int | None = None,
     ) -> None:
         """
         Args:
@@ -93,6 +96,8 @@ class LLM:
                 for this start with another budget (implies ``auto`` unless an int is given).
             kvcache_num_blocks_adjuster: ignored (the estimate does not run at load), noted once.
             device: run on another device than the one planned for.
+            kvcache_max_blocks: the largest size ``resize_kv_cache`` may reach (address space
+                reserved now; default the larger of ``num_full_blocks`` and the start size).
         """
         from transformers import AutoTokenizer
 
@@ -109,26 +114,77 @@ class LLM:
             kvcache_memory_fraction=kvcache_memory_fraction,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
-        self.runtime: Runtime = build_runtime(info, plan, device=device, tokenizer=tokenizer)
+        self.runtime: Runtime = build_runtime(
+            info, plan, device=device, tokenizer=tokenizer, max_num_blocks=kvcache_max_blocks
+        )
         self.tokenizer = tokenizer
+        self.last_resize: ResizeResult | None = None
 
     @property
     def engine(self) -> Any:
         return self.runtime.engine
+
+    def resize_kv_cache(self, num_blocks: int | str, *, persist: bool = False) -> ResizeResult:
+        """Grow or shrink the KV pool now, keeping every request's KV (or recomputing the
+        newest ones only if the used blocks do not fit); no generated token changes.
+
+        Args:
+            num_blocks: the new ``kvcache_num_blocks``: an int, or ``"auto"`` (re-fit to the
+                memory available now).
+            persist: also write it into the artifact (the atomic ``kvroom set``).
+
+        Raises:
+            MemoryNotEnoughError: below ``num_min_blocks`` (the policy's error).
+            ConfigError: not an int or "auto", or above the address space reserved at load.
+        """
+        runtime = self.runtime
+        plan = resolve_resize(
+            runtime.plan,
+            num_blocks,
+            kv_bytes_now=runtime.pool.nbytes(),
+            max_num_blocks=runtime.pool.max_num_blocks,
+        )
+        result = runtime.engine.resize_kv_cache(plan.num_blocks)
+        runtime.plan = plan
+        self.last_resize = result
+        if persist:
+            from kvroom.artifact.resize import set_kvcache_num_blocks
+
+            set_kvcache_num_blocks(runtime.info.folder, plan.num_blocks)
+        return result
+
+    def kv_cache_state(self) -> KVCacheState:
+        """The pool now: blocks, bytes, use, the plan it came from, the resizes so far."""
+        runtime = self.runtime
+        return KVCacheState.of(
+            runtime.plan,
+            runtime.engine.stats,
+            max_num_blocks=runtime.pool.max_num_blocks,
+            last_resize=self.last_resize,
+            populated=self.runtime.pool.populated,
+        )
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text, or a list of token ids); results in prompt order.
+        """Generate for every prompt; results in prompt order.
+
+        A prompt is text, token ids, or a dict ``{"prompt": text, "multi_modal_data":
+        {"image": image or [images]}}`` (vLLM's form) whose text holds the model's image
+        placeholder once per image (Qwen3-VL: ``<|vision_start|><|image_pad|><|vision_end|>``);
+        kvroom expands it to the image's token count. An image is a PIL image, bytes, a path
+        or a ``data:`` URL.
 
         Raises:
             AdmissionError: a prompt can never be served (too long, larger than the pool); no
                 request of this call is left running.
+            ConfigError: an image does not decode, has an unsupported format, or there are
+                more than ``max_images_per_request`` (all ``ValueError`` s).
         """
-        token_lists = [self._encode(p) for p in _as_prompt_list(prompts)]
-        return self._run(token_lists, sampling_params)
+        items = [self._prepare(p) for p in _as_prompt_list(prompts)]
+        return self._run(items, sampling_params)
 
     def chat(
         self,
@@ -138,7 +194,7 @@ class LLM:
         """Apply the chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         token_lists = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self._run(token_lists, sampling_params)
+        return self._run([(t, None) for t in token_lists], sampling_params)
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -151,30 +207,55 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
         """Yield each step's output of one request (used by ``kvroom run``)."""
         engine = self.runtime.engine
-        request_id = engine.add_request(self._encode(prompt), params)
+        tokens, multimodal = self._prepare(prompt)
+        request_id = engine.add_request(tokens, params, multimodal=multimodal)
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id == request_id:
                     yield out
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
+    def _prepare(self, prompt: Prompt) -> tuple[list[int], Any]:
+        """Token ids and the model's multimodal inputs (None for a text prompt)."""
+        if not isinstance(prompt, Mapping):
+            return self._encode(prompt), None
+        from kvroom.media import load_image
+
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown:
+            raise ConfigError(f"prompt: unknown key(s) {', '.join(unknown)}")
+        tokens = self._encode(prompt.get("prompt_token_ids") or prompt.get("prompt") or "")
+        data = dict(prompt.get("multi_modal_data") or {})
+        if set(data) - {"image"}:
+            raise ConfigError(f"multi_modal_data: only 'image' is supported, got {sorted(data)}")
+        items = data.get("image")
+        if items is None:
+            return tokens, None
+        images = [load_image(i) for i in (items if isinstance(items, list | tuple) else [items])]
+        model = self.runtime.runner.model
+        if not hasattr(model, "prepare_prompt"):
+            raise ConfigError(f"{self.runtime.spec.architecture} does not take images")
+        return model.prepare_prompt(tokens, images)
+
     def _run(
         self,
-        token_lists: list[list[int]],
+        items: list[tuple[list[int], Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[GenerationResult]:
-        params = _as_params_list(sampling_params, len(token_lists))
+        token_lists = [tokens for tokens, _ in items]
+        params = _as_params_list(sampling_params, len(items))
         engine = self.runtime.engine
         ids: list[list[str]] = []
         try:
-            for tokens, p in zip(token_lists, params, strict=True):
+            for (tokens, multimodal), p in zip(items, params, strict=True):
                 ids.append([])
                 for i in range(p.num_sequences):
-                    ids[-1].append(engine.add_request(tokens, p.child(i)))
+                    child = p.child(i)
+                    ids[-1].append(engine.add_request(tokens, child, multimodal=multimodal))
         except Exception:
             for request_id in (r for group in ids for r in group):
                 engine.abort(request_id)
@@ -241,7 +322,7 @@ def logprob_dict(entry: TokenLogprobs, decode: Callable[[int], str]) -> LogprobD
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):

@@ -47,8 +47,13 @@ def build_runtime(
     *,
     device: str | None = None,
     tokenizer: Any | None = None,
+    max_num_blocks: int | None = None,
 ) -> Runtime:
-    """Load the weights, allocate exactly ``plan.num_blocks`` blocks, and wire the engine."""
+    """Load the weights, allocate exactly ``plan.num_blocks`` blocks, and wire the engine.
+
+    The pool reserves room to grow live up to ``max_num_blocks`` (default: the larger of
+    ``plan.num_full_blocks`` and ``plan.num_blocks``); only ``plan.num_blocks`` are committed.
+    """
     import torch
 
     cfg = info.config
@@ -57,6 +62,8 @@ def build_runtime(
     kinds = spec.layer_kinds(cfg.max_seq_len)
     num_slots = cfg.batch_size if "sliding" in kinds else 0
     model = load_model(info.folder, dtype=getattr(torch, cfg.dtype), device=device)
+    if hasattr(model, "configure_multimodal"):
+        model.configure_multimodal(info.folder, cfg)
     pool = KVCachePool(
         spec,
         num_blocks=plan.num_blocks,
@@ -65,6 +72,7 @@ def build_runtime(
         num_sliding_slots=num_slots,
         dtype=getattr(torch, cfg.kv_dtype or cfg.dtype),
         device=device,
+        max_num_blocks=max_num_blocks or max(plan.num_full_blocks, plan.num_blocks),
     )
     runner = ModelRunner(model, pool, spec, block_size=cfg.kvcache_block_size, device=device)
     blocks = BlockManager(plan.num_blocks, cfg.kvcache_block_size, num_sliding_slots=num_slots)
@@ -79,6 +87,7 @@ def build_runtime(
         runner,
         eos_token_ids=_eos_ids(info.folder, tokenizer),
         detokenize=_detokenizer(tokenizer),
+        pool=pool,
     )
     logger.info(plan.summary_line())
     return Runtime(info, plan, spec, pool, runner, engine, tokenizer)

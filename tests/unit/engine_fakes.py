@@ -101,6 +101,24 @@ class FakeRunner:
         self.written: dict[int, list[int]] = {}  # seq_id -> tokens whose "KV" it wrote
         self.steps: list[SchedulerOutput] = []
         self.released: list[int] = []
+        self.max_num_blocks = 4 * num_blocks
+        self.num_moved = 0
+
+    # -- the ``ResizablePool`` side: the fake pool resizes like ``KVCachePool`` ------------
+
+    def resize(self, num_blocks: int) -> None:
+        assert 0 < num_blocks <= self.max_num_blocks, f"resize({num_blocks})"
+        kept = self.pool[:num_blocks]
+        self.pool = kept + [[None] * self.block_size for _ in range(num_blocks - len(kept))]
+
+    def copy_blocks(self, moves: abc.Sequence[tuple[int, int]]) -> None:
+        for src, dst in moves:
+            self.pool[dst] = list(self.pool[src])
+        self.num_moved += len(moves)
+
+    def contents(self, table: abc.Sequence[int], num_tokens: int) -> list[int | None]:
+        """What the fake pool holds for the first ``num_tokens`` positions of ``table``."""
+        return [self._read(tuple(table), p) for p in range(num_tokens)]
 
     def execute(self, output: SchedulerOutput) -> dict[int, int]:
         assert not output.is_empty, "the engine must not execute an empty step"

@@ -120,17 +120,74 @@ def test_check_invariants_catches_a_leak() -> None:
         bm.check_invariants()
 
 
+def test_grow_adds_free_blocks_at_once() -> None:
+    bm = make_bm(num_blocks=2)
+    bm.allocate(1, 8)
+    assert bm.allocate(2, 1) is None
+    bm.grow(5)
+    assert (bm.num_total_blocks, bm.num_free_blocks) == (5, 3)
+    assert bm.allocate(2, 9) == (2, 3, 4)
+    bm.check_invariants()
+
+
+def test_shrink_moves_high_blocks_into_free_low_ones() -> None:
+    bm = make_bm(num_blocks=6)
+    bm.allocate(1, 4)  # block 0
+    bm.allocate(2, 12)  # blocks 1, 2, 3
+    bm.allocate(3, 8)  # blocks 4, 5
+    bm.free(2)
+    migration = bm.shrink(3)
+    assert migration.moves == ((5, 1), (4, 2))
+    assert bm.block_table(1) == (0,)
+    assert bm.block_table(3) == (2, 1)
+    assert (bm.num_total_blocks, bm.num_free_blocks) == (3, 0)
+    bm.check_invariants()
+
+
+def test_shrink_keeps_the_free_order_of_the_blocks_it_keeps() -> None:
+    bm = make_bm(num_blocks=6)
+    bm.allocate(1, 8)  # blocks 0, 1
+    bm.allocate(2, 4)  # block 2
+    bm.free(1)  # free list: 3, 4, 5, 0, 1
+    bm.shrink(4)
+    assert list(bm._free_blocks) == [3, 0, 1]
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random add / append / finish / abort / preempt against a model of expected tables."""
+    """Random add / append / finish / abort / preempt / resize against a model of the tables.
+
+    The model also tracks what each block holds (``(seq_id, block index)``, as a K/V copy
+    would carry it), so a shrink that moves a block to the wrong place is caught.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(num_blocks=8, block_size=4, num_sliding_slots=3)
         self.tokens: dict[int, int] = {}  # model: seq_id -> tokens covered
+        self.content: dict[int, tuple[int, int]] = {}  # block id -> (seq_id, index in table)
+        self.total = 8
         self.next_id = 0
 
     def _expected_free(self) -> int:
-        return 8 - sum(-(-n // 4) for n in self.tokens.values())
+        return self.total - sum(-(-n // 4) for n in self.tokens.values())
+
+    def _record(self, seq_id: int) -> None:
+        for i, block in enumerate(self.bm.block_table(seq_id)):
+            self.content[block] = (seq_id, i)
+
+    @rule(num_blocks=st.integers(1, 16))
+    def resize(self, num_blocks: int) -> None:
+        if num_blocks >= self.total:
+            self.bm.grow(num_blocks)
+        else:
+            while self.total - self._expected_free() > num_blocks:  # preempt the newest
+                newest = max(self.tokens)
+                self.bm.free(newest)
+                del self.tokens[newest]
+            migration = self.bm.shrink(num_blocks)
+            for src, dst in migration.moves:
+                self.content[dst] = self.content.pop(src)
+        self.total = num_blocks
 
     @rule(num_tokens=st.integers(1, 20))
     def add(self, num_tokens: int) -> None:
@@ -141,6 +198,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if table is not None:
             assert len(table) == -(-num_tokens // 4)
             self.tokens[seq_id] = num_tokens
+            self._record(seq_id)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), extra=st.integers(1, 9))
@@ -154,6 +212,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if table is not None:
             assert table[: len(before)] == before, "growing must keep the existing blocks"
             self.tokens[seq_id] = want
+            self._record(seq_id)
         else:
             assert self.bm.block_table(seq_id) == before
 
@@ -169,12 +228,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         assert self.bm.num_free_blocks == self._expected_free()
         assert self.bm.table_owners == set(self.tokens)
+        assert self.bm.num_total_blocks == self.total
+        for seq_id in self.tokens:
+            table = self.bm.block_table(seq_id)
+            assert [self.content[b] for b in table] == [(seq_id, i) for i in range(len(table))]
 
     def teardown(self) -> None:
         for seq_id in list(self.tokens):
             self.bm.free(seq_id)
         self.bm.check_invariants()
-        assert self.bm.num_free_blocks == 8
+        assert self.bm.num_free_blocks == self.total
         assert self.bm.num_free_sliding_slots == 3
 
 

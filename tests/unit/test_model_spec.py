@@ -6,11 +6,9 @@ from typing import Any
 import pytest
 
 from kvroom.errors import KvroomError, ModelSourceError
-from kvroom.model_spec import ModelSpec
+from kvroom.model_spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
-SUPPORTED = (
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM"
-)
+SUPPORTED = ", ".join(SUPPORTED_ARCHITECTURES)
 
 
 def smollm2_135m() -> dict[str, Any]:

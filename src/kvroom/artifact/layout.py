@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvroom.atomic import atomic_write_text
-from kvroom.config import DecoderOnlyConfig
-from kvroom.errors import ArtifactError, KvroomError
+from kvroom.config import CONFIG_CLASSES, DecoderOnlyConfig
+from kvroom.errors import ArtifactError, ConfigError, KvroomError
 from kvroom.plan import MemoryPlan
 
 FORMAT_VERSION = 1
@@ -48,6 +48,10 @@ class ArtifactInfo:
         config = dataclasses.replace(self.config, kvcache_num_blocks=plan.num_blocks)
         return dataclasses.replace(self, config=config, plan=plan)
 
+    def _config_class_entry(self) -> dict[str, str]:
+        name = type(self.config).__name__
+        return {} if type(self.config) is DecoderOnlyConfig else {"config_class": name}
+
     def to_json(self) -> str:
         from kvroom import __version__
 
@@ -56,6 +60,7 @@ class ArtifactInfo:
             "kvroom_version": __version__,
             "kvcache_num_blocks": self.plan.num_blocks,
             "config": self.config.to_dict(),
+            **self._config_class_entry(),
             "plan": self.plan.to_dict(),
             "planned_for": {
                 "device": self.plan.device,
@@ -99,13 +104,21 @@ def read_info(folder: str | Path) -> ArtifactInfo:
     if not_objects:
         raise ArtifactError(f"{path}: corrupted: {', '.join(not_objects)} must be JSON objects")
     try:
-        config = DecoderOnlyConfig.from_dict(doc["config"])
+        config = _config_class(doc).from_dict(doc["config"])
         plan = MemoryPlan.from_dict(doc["plan"])
     except (TypeError, KvroomError) as exc:
         raise ArtifactError(f"{path}: corrupted: {exc}") from None
     if not (doc["kvcache_num_blocks"] == plan.num_blocks == config.kvcache_num_blocks):
         raise ArtifactError(f"{path}: corrupted: kvcache_num_blocks disagrees between sections")
     return ArtifactInfo(Path(folder), config, plan, dict(doc["model"]))
+
+
+def _config_class(doc: dict[str, Any]) -> type[DecoderOnlyConfig]:
+    """The config class named by ``config_class`` (written only for subclasses)."""
+    name = doc.get("config_class", DecoderOnlyConfig.__name__)
+    if name not in CONFIG_CLASSES:
+        raise ConfigError(f"config_class: unknown {name!r}; one of {', '.join(CONFIG_CLASSES)}")
+    return CONFIG_CLASSES[name]
 
 
 def _load_json(folder: Path, path: Path) -> dict[str, Any]:

@@ -43,6 +43,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
     from kvroom.cli.runtime_commands import add_runtime_commands
 
     add_runtime_commands(sub)
+    from kvroom.cli.resize_command import add_resize_command
+
+    add_resize_command(sub)
     return parser
 
 

@@ -37,6 +37,14 @@ def add_runtime_commands(sub: Any) -> None:
     p.add_argument("artifact")
     p.add_argument("--prompt", required=True)
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image for a model that takes images (repeatable); the prompt gets the "
+        "model's placeholder before the text unless it already holds one per image",
+    )
     add_sampling_flags(p)
     add_startup_flags(p)
     p.set_defaults(func=cmd_run)
@@ -78,9 +86,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = LLM(args.artifact, **startup_overrides(args))
     use_chat = not args.no_chat_template and getattr(llm.tokenizer, "chat_template", None)
-    prompt: Any = args.prompt
+    text = _with_placeholders(llm, args.prompt, len(args.image)) if args.image else args.prompt
+    prompt: Any = text
     if use_chat:
-        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = llm.apply_chat_template([{"role": "user", "content": text}])
+    if args.image:
+        key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        prompt = {key: prompt, "multi_modal_data": {"image": list(args.image)}}
     printed = 0
     for out in llm.stream(prompt, params):
         text = out.text or ""
@@ -89,6 +101,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         printed = len(text)
     sys.stdout.write("\n")
     return 0
+
+
+def _with_placeholders(llm: Any, text: str, num_images: int) -> str:
+    """``text`` with the model's image placeholder once per image in front, unless the text
+    already holds them (vLLM's chat API also puts images before the text).
+
+    Raises:
+        ConfigError: the model takes no images.
+    """
+    from kvroom.errors import ConfigError
+
+    placeholder = getattr(llm.runtime.runner.model, "image_placeholder", None)
+    if placeholder is None:
+        raise ConfigError(f"--image: {llm.runtime.spec.architecture} does not take images")
+    if text.count(placeholder) == num_images:
+        return text
+    return placeholder * num_images + text
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

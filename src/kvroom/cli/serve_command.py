@@ -16,6 +16,7 @@ import socket
 import sys
 from typing import Any
 
+from kvroom.cli.live_pool_options import add_live_pool_flags, open_llm
 from kvroom.cli.runtime_commands import add_startup_flags, startup_overrides
 from kvroom.cli.vllm_command import add_vllm_serve_flags, launch_for, serve_with_vllm
 from kvroom.errors import ConfigError
@@ -68,6 +69,14 @@ def add_serve_command(sub: Any) -> None:
         default=True,
         help="log one line per HTTP request (default on)",
     )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="image_url parts may name local files under DIR (default: none; http(s) URLs "
+        "are always refused)",
+    )
+    add_live_pool_flags(p)
     add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -81,14 +90,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"{flags}: only used with --engine vllm")
     sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
     try:
-        from kvroom.llm import LLM
         from kvroom.server.app import create_app, serve
 
-        llm = LLM(args.artifact, **startup_overrides(args))
+        llm, elastic = open_llm(args.artifact, startup_overrides(args), args)
         plan = llm.runtime.plan
         note = persist(args.artifact, plan.num_blocks) if args.persist else "artifact unchanged"
         app = create_app(
-            llm, served_model_name=args.served_model_name or args.artifact, **_http_options(args)
+            llm,
+            served_model_name=args.served_model_name or args.artifact,
+            allowed_local_media_path=args.allowed_local_media_path,
+            admin_key=args.admin_key,
+            elastic=elastic,
+            **_http_options(args),
         )
         host, port = sock.getsockname()[:2]
         _say(f"{plan.summary_line()} ({note})")

@@ -14,6 +14,11 @@ sequence, assigned at the first allocation and returned on ``free``.
 
 No prefix caching: every block belongs to at most one sequence, so a refcount is either 0 (free)
 or 1 (in exactly one table), and the manager does not store one.
+
+The pool may change size while sequences run: ``grow`` appends new ids to the free list;
+``shrink`` vacates ids ``>= N`` by moving their sequences' entries to free low ids
+(``pool_migration``) and returns the moves, whose K/V the engine copies. Shared blocks would
+move the same way: one copy per block, every table that holds it rewritten.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from kvroom.engine.pool_migration import Migration, plan_migration, remap_tables
 from kvroom.errors import ConfigError
 from kvroom.units import cdiv
 
@@ -122,6 +128,27 @@ class BlockManager:
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
             heapq.heappush(self._free_slots, slot)
+
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks ``[num_total_blocks, num_blocks)`` to the free list (usable at once)."""
+        assert num_blocks >= self.num_total_blocks, f"grow({num_blocks}) would shrink"
+        self._free_blocks.extend(range(self.num_total_blocks, num_blocks))
+        self.num_total_blocks = num_blocks
+
+    def shrink(self, num_blocks: int) -> Migration:
+        """Keep only block ids ``[0, num_blocks)``, moving used blocks above it into free ones.
+
+        The caller copies each move's K/V (src -> dst) before the pool drops the old ids.
+        ``num_used_blocks <= num_blocks`` must hold (the scheduler preempts first).
+        """
+        assert 0 < num_blocks <= self.num_total_blocks, f"shrink({num_blocks})"
+        used = [b for table in self._tables.values() for b in table]
+        migration = plan_migration(used, self._free_blocks, num_blocks)
+        self._tables = remap_tables(self._tables, migration)
+        taken = {dst for _, dst in migration.moves}
+        self._free_blocks = deque(b for b in self._free_blocks if b < num_blocks and b not in taken)
+        self.num_total_blocks = num_blocks
+        return migration
 
     # -- integrity -----------------------------------------------------------------------
 

@@ -8,16 +8,18 @@ text never has to be taken back).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvroom.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from kvroom.engine.output import SchedulerOutput, StepResult, TokenLogprobs
+from kvroom.engine.pool_migration import PoolResize
 from kvroom.engine.sampling import SamplingParams
 from kvroom.engine.scheduler import Scheduler
 from kvroom.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvroom.errors import AdmissionError
+from kvroom.errors import AdmissionError, ConfigError
 
 
 class Runner(Protocol):
@@ -31,6 +33,33 @@ class Runner(Protocol):
         """Forget per-sequence state (its RNG). Called once per finished or aborted seq,
         including ones that never ran; never called on preemption."""
         ...
+
+
+class ResizablePool(Protocol):
+    """What the engine needs from the KV pool to resize it (``KVCachePool``)."""
+
+    max_num_blocks: int
+
+    def resize(self, num_blocks: int) -> None: ...
+
+    def copy_blocks(self, moves: tuple[tuple[int, int], ...]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """One live resize of the KV pool, as logged and returned by the admin API."""
+
+    from_blocks: int
+    to_blocks: int
+    num_moved_blocks: int
+    """Blocks whose K/V was copied to a lower id (a shrink)."""
+    num_preempted: int
+    """Sequences preempted (to be recomputed) because the used blocks did not fit."""
+    seconds: float
+
+    @classmethod
+    def of(cls, done: PoolResize, seconds: float) -> ResizeResult:
+        return cls(done.from_blocks, done.to_blocks, len(done.moves), len(done.preempted), seconds)
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,8 @@ class EngineStats:
     num_prompt_tokens_total: int
     """Prompt tokens of requests that produced their first token (counted once each)."""
     num_generation_tokens_total: int
+    num_kv_resizes: int = 0
+    """Live resizes of the KV pool since start."""
 
 
 @dataclass
@@ -98,6 +129,7 @@ class LLMEngine:
         *,
         eos_token_ids: set[int],
         detokenize: Callable[[list[int]], str] | None,
+        pool: ResizablePool | None = None,
     ) -> None:
         """
         Args:
@@ -105,9 +137,12 @@ class LLMEngine:
             runner: computes a step and samples (see ``Runner``).
             eos_token_ids: the model's end-of-sequence ids.
             detokenize: token ids -> text; needed for ``text`` and for stop strings.
+            pool: the KV pool, for ``resize_kv_cache`` (None: only the block manager resizes).
         """
         self.scheduler = scheduler
         self.runner = runner
+        self.pool = pool
+        self.num_kv_resizes = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self._ids = itertools.count()
@@ -122,8 +157,9 @@ class LLMEngine:
         prompt_token_ids: Iterable[int],
         params: SamplingParams,
         request_id: str | None = None,
+        multimodal: object | None = None,
     ) -> str:
-        """Queue a request.
+        """Queue a request (``multimodal``: the prompt's images, as the model prepared them).
 
         Returns:
             The request id (``request_id``, or a fresh one).
@@ -141,7 +177,9 @@ class LLMEngine:
                 f"request {request_id!r}: stop strings {params.stop!r} need a detokenizer; "
                 "pass detokenize= to LLMEngine or drop SamplingParams.stop"
             )
-        seq = Sequence(seq_id, tuple(prompt_token_ids), params, self.eos_token_ids)
+        seq = Sequence(
+            seq_id, tuple(prompt_token_ids), params, self.eos_token_ids, multimodal=multimodal
+        )
         self.scheduler.add(seq)
         request = _Request(request_id, seq, self._detokenizer(params))
         if params.logprobs is not None:
@@ -180,6 +218,31 @@ class LLMEngine:
         results, self._pending = self._pending, []
         return results + [self._emit(seq) for seq in updated]
 
+    def resize_kv_cache(self, num_blocks: int) -> ResizeResult:
+        """Change the KV pool to ``num_blocks`` blocks now, between steps; no token changes.
+
+        Grow: the pool commits the new blocks, then they join the free list. Shrink: the
+        scheduler preempts the newest sequences only if the used blocks do not fit, the block
+        tables move to low ids, the K/V of moved blocks is copied, then the pool releases the
+        rest. The caller validates ``num_blocks`` against the plan (``adjust``).
+
+        Raises:
+            ConfigError: below one ``max_seq_len`` sequence, or above the pool's reserve.
+        """
+        start = time.perf_counter()
+        old = self.scheduler.block_manager.num_total_blocks
+        if self.pool is not None:
+            check_reserve(num_blocks, self.pool.max_num_blocks)
+        if self.pool is not None and num_blocks > old:
+            self.pool.resize(num_blocks)
+        done = self.scheduler.resize(num_blocks)
+        if self.pool is not None and num_blocks < old:
+            self.pool.copy_blocks(done.moves)
+            self.pool.resize(num_blocks)
+        if num_blocks != old:
+            self.num_kv_resizes += 1
+        return ResizeResult.of(done, time.perf_counter() - start)
+
     def has_unfinished(self) -> bool:
         """True while any request is live or an abort output is not yet returned."""
         return bool(self._requests) or bool(self._pending)
@@ -196,6 +259,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_total=self._num_prompt_tokens,
             num_generation_tokens_total=self._num_generation_tokens,
+            num_kv_resizes=self.num_kv_resizes,
         )
 
     # -- per-token bookkeeping -----------------------------------------------------------
@@ -291,6 +355,16 @@ class LLMEngine:
         del self._requests[request.request_id]
         del self._by_seq[request.seq.seq_id]
         self.runner.release(request.seq.seq_id)
+
+
+def check_reserve(num_blocks: int, max_num_blocks: int) -> None:
+    """Raise ``ConfigError`` when a resize would go past the address space reserved."""
+    if num_blocks > max_num_blocks:
+        raise ConfigError(
+            f"kvcache_num_blocks: {num_blocks} is above the {max_num_blocks} blocks of address "
+            "space reserved at start-up; restart with a larger --kvcache-max-blocks (or "
+            "--kvcache-num-blocks) to go higher"
+        )
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -87,11 +87,15 @@ class ModelRunner:
             dtype=self.model.dtype,
             device=self.device,
         )
+        extra = {}
+        if any(s.multimodal is not None for s in seqs):
+            extra["multimodal"] = [(s.multimodal, s.start_pos, len(s.token_ids)) for s in seqs]
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             self.pool.layers,
             meta,
+            **extra,
         )
         if any(wants_prompt_logprobs(s) for s in seqs):
             self._found_prompt_logprobs = self.prompt_logprobs.compute(

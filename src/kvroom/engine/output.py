@@ -35,6 +35,9 @@ class ScheduledSeq:
     stop_token_ids: frozenset[int] = frozenset()
     """EOS and stop ids the sampler masks while ``num_generated < sampling.min_tokens``
     (set only when ``min_tokens`` is)."""
+    multimodal: object | None = None
+    """The sequence's images etc. (``models.multimodal.MultimodalInputs``), passed to the
+    model with every chunk; the scheduler and the runner never look inside."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ A running sequence that needs a block when none is free takes one from the most 
 admitted running sequence (preemption): that one loses all its KV, goes back to the *front* of
 the waiting queue, and is later re-prefilled from ``prompt + output`` tokens. No admission
 happens in a step that preempted, so a freed block is not handed straight back and forth.
+
+``resize`` (between steps) changes the pool size: a grow frees new blocks at once; a shrink
+first preempts the most recently admitted sequences only while the used blocks exceed the new
+size, then moves the KV of used blocks above it into free ones (``BlockManager.shrink``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.output import ScheduledSeq, SchedulerOutput
+from kvroom.engine.pool_migration import PoolResize
 from kvroom.engine.sequence import Sequence, SequenceStatus
 from kvroom.errors import AdmissionError, ConfigError
 
@@ -180,6 +185,37 @@ class Scheduler:
                 updated.append(seq)
         return updated
 
+    def resize(self, num_blocks: int) -> PoolResize:
+        """Make the block manager hold ``num_blocks`` blocks; call between steps only.
+
+        Returns:
+            The moves to copy (a shrink) and the sequences preempted to make room.
+
+        Raises:
+            ConfigError: fewer blocks than one ``max_seq_len`` sequence needs (an admitted
+                request could then never finish).
+        """
+        bm = self.block_manager
+        needed = bm.blocks_for(self.max_seq_len)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < needed:
+            raise ConfigError(
+                f"kvcache_num_blocks: must be an int >= {needed} (one max_seq_len="
+                f"{self.max_seq_len} sequence), got {num_blocks!r}"
+            )
+        old = bm.num_total_blocks
+        if num_blocks >= old:
+            bm.grow(num_blocks)
+            return PoolResize(old, num_blocks)
+        preempted: list[int] = []
+        while bm.num_used_blocks > num_blocks:
+            victim = self._running[-1]
+            self._requeue(victim)
+            preempted.append(victim.seq_id)
+        migration = bm.shrink(num_blocks)
+        for seq in self._running:
+            seq.block_table = bm.block_table(seq.seq_id)
+        return PoolResize(old, num_blocks, migration.moves, tuple(preempted))
+
     # -- policy pieces -------------------------------------------------------------------
 
     def _check_admissible(self, seq: Sequence) -> None:
@@ -246,6 +282,7 @@ class Scheduler:
             sampling=seq.params,
             num_generated=len(seq.output_token_ids),
             stop_token_ids=seq.stop_token_ids if seq.params.min_tokens else frozenset(),
+            multimodal=seq.multimodal,
         )
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
@@ -255,11 +292,15 @@ class Scheduler:
         running seqs are visited oldest first.
         """
         assert seq.seq_id not in step.scheduled, f"seq {seq.seq_id} preempted after scheduling"
+        self._requeue(seq)
+        step.preempted.append(seq.seq_id)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Preempt: drop ``seq``'s KV and put it at the front of the waiting queue."""
         self._running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.preempt()
         self._waiting.appendleft(seq)
-        step.preempted.append(seq.seq_id)
         self.num_preemptions += 1
 
     # -- integrity -----------------------------------------------------------------------

@@ -94,6 +94,8 @@ class Sequence:
     """Tokens whose KV is in the pool; advanced by the scheduler after each step."""
     block_table: tuple[int, ...] = ()
     """Mirror of the block manager's table, refreshed by the scheduler after each allocation."""
+    multimodal: object | None = None
+    """Images etc. of the prompt, data for the model (the engine never looks inside)."""
     sliding_slot: int | None = None
     """Fixed sliding-window slot while RUNNING (hybrid models only), else None."""
     status: SequenceStatus = SequenceStatus.WAITING

@@ -22,6 +22,9 @@ REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "kvroom.models.decoder:DecoderModel",
     "Qwen3ForCausalLM": "kvroom.models.decoder:DecoderModel",
     "Gemma3ForCausalLM": "kvroom.models.gemma3:Gemma3Model",
+    "Gemma4ForCausalLM": "kvroom.models.gemma4:Gemma4Model",
+    "Gemma4ForConditionalGeneration": "kvroom.models.gemma4:Gemma4Model",
+    "Qwen3VLForConditionalGeneration": "kvroom.models.qwen3_vl:Qwen3VLModel",
 }
 """HF architecture name -> ``module:Class`` of its builder."""
 

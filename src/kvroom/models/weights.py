@@ -54,10 +54,17 @@ def load_weights(model: DecoderModel, folder: str | Path) -> None:
         ModelSourceError: no safetensors, or a tensor the architecture needs is missing.
     """
     ckpt = _Checkpoint(Path(folder), model.device)
-    state = {name: _load_one(model, ckpt, name) for name in model.state_dict()}
+    custom = getattr(model, "load_tensor", None)  # a model whose layers differ in shape
+    state = {
+        name: custom(ckpt.get, name) if custom else _load_one(model, ckpt, name)
+        for name in model.state_dict()
+    }
     model.load_state_dict(state, strict=True, assign=True)
     del state, ckpt  # post_load frees the dense weights it packs only once nothing else holds them
     model.requires_grad_(False)
+    load_extra = getattr(model, "load_extra", None)  # modules outside the decoder (vision)
+    if load_extra is not None:
+        load_extra(Path(folder))
     model.post_load()
     if model.device.type == "cpu":
         release_free_heap()
@@ -85,7 +92,7 @@ def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor
     prefix, param = "", name
     if name.startswith("layers."):
         _, index, param = name.split(".", 2)
-        prefix = f"model.layers.{index}."
+        prefix = f"{getattr(model, 'hf_decoder_prefix', 'model.')}layers.{index}."
         sources = [prefix + n for n in model.hf_layer_names[param]]
     else:
         sources = [model.hf_top_names()[name]]

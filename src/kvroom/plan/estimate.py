@@ -21,7 +21,7 @@ from kvroom.config import DecoderOnlyConfig
 from kvroom.device import DeviceMemory
 from kvroom.model_spec import ModelSpec
 from kvroom.plan.buffers import runtime_buffer_bytes
-from kvroom.plan.kv import kv_bytes_per_block, sliding_window_bytes
+from kvroom.plan.kv import describe_kv_groups, kv_bytes_per_block, sliding_window_bytes
 from kvroom.plan.weights import weight_bytes
 from kvroom.units import format_bytes, mib
 
@@ -59,6 +59,11 @@ class MemoryPlan:
     """The pool size chosen (estimate, adjuster, manual value, or a later set/override)."""
     num_blocks_source: str
     """estimate | adjuster | manual | set | auto | override."""
+    vision_bytes: int = 0
+    """Vision encoder peak + encoder cache (``plan.vision``); 0 for text models."""
+    kv_groups: tuple[str, ...] = ()
+    """One line per KV pool tensor (``plan.kv.describe_kv_groups``), e.g. ``2 full-attention
+    layers, K=V, 1 KV head x 512 dims; 4 layers share earlier KV``."""
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -86,6 +91,7 @@ class MemoryPlan:
     def kv_budget_bytes(self) -> int:
         """Per rank: usable - weights - runtime - this rank's sliding-window slots."""
         fixed = self.weight_bytes + self.runtime_bytes + self.sliding_window_bytes_per_rank
+        fixed += self.vision_bytes
         return self.usable_bytes - fixed
 
     @property
@@ -194,18 +200,37 @@ class MemoryPlan:
             ("KV pool", f"{self.num_tokens} tokens, {format_bytes(self.kv_bytes)}"),
             ("max concurrency at max_seq_len", str(self.max_concurrency)),
         ]
+        if self.vision_bytes:
+            budget = rows.index(("= KV budget", format_bytes(self.kv_budget_bytes)))
+            rows.insert(
+                budget, ("- vision encoder + cache (fixed)", format_bytes(self.vision_bytes))
+            )
+        rows += self._kv_group_rows()
         width = max(len(label) for label, _ in rows)
         lines = [f"{label:<{width}}  {value:>14}" for label, value in rows]
         if self.tensor_parallel_size > 1:
             lines.insert(0, f"(bytes per rank of tensor_parallel_size={self.tensor_parallel_size})")
         return "\n".join(lines)
 
+    def _kv_group_rows(self) -> list[tuple[str, str]]:
+        """One row per pool tensor, shown when the layers do not all keep one KV shape."""
+        groups = self.kv_groups
+        if len(groups) <= 1 and not any("K=V" in g or "share" in g for g in groups):
+            return []
+        return [(f"KV pool tensor {i + 1}", g) for i, g in enumerate(groups)]
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready fields (sequences as lists)."""
+        doc = dataclasses.asdict(self)
+        doc["kv_groups"] = list(self.kv_groups)
+        return doc
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
-        return cls(**data)
+        fields = dict(data)
+        if "kv_groups" in fields:
+            fields["kv_groups"] = tuple(fields["kv_groups"])
+        return cls(**fields)
 
 
 def compute_plan(
@@ -255,9 +280,27 @@ def compute_plan(
         estimated_num_blocks=0,
         num_blocks=0,
         num_blocks_source="estimate",
+        kv_groups=describe_kv_groups(spec, max_seq_len=cfg.max_seq_len),
+        vision_bytes=_vision_bytes(spec, cfg),
     )
     return needs.refit(
         memory,
         kvcache_memory_fraction=cfg.kvcache_memory_fraction,
         kvcache_reserve_bytes=int(cfg.kvcache_reserve_memory),
+    )
+
+
+def _vision_bytes(spec: ModelSpec, cfg: DecoderOnlyConfig) -> int:
+    """``plan.vision.vision_bytes`` for a model with a vision tower, else 0."""
+    if spec.vision is None:
+        return 0
+    from kvroom.plan.vision import vision_bytes
+
+    return vision_bytes(
+        spec.vision,
+        max_images_per_request=getattr(cfg, "max_images_per_request", 1),
+        max_image_pixels=getattr(cfg, "max_image_pixels", 512 * 512),
+        encoder_cache_images=getattr(cfg, "encoder_cache_images", 4),
+        max_seq_len=cfg.max_seq_len,
+        dtype=cfg.dtype,
     )

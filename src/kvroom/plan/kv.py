@@ -1,8 +1,13 @@
-"""Bytes of the paged KV cache: one block of the full-attention pool, and the sliding slots."""
+"""Bytes of the paged KV cache: one block of the full-attention pool, and the sliding slots.
+
+The pool keeps one tensor per KV group (``ModelSpec.kv_groups``): layers of one kind and one
+entry shape. A layer stores ``entries x ceil(kv_heads/tp) x tp x head_dim`` values per token
+(entries = 2 for K and V, 1 when K=V); a layer that shares an earlier layer's KV stores none.
+"""
 
 from __future__ import annotations
 
-from kvroom.model_spec import ModelSpec
+from kvroom.model_spec import KVGroup, ModelSpec
 from kvroom.units import DTYPE_BYTES, cdiv
 
 
@@ -12,10 +17,19 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return cdiv(num_kv_heads, tensor_parallel_size)
 
 
+def group_bytes_per_token_per_layer(
+    group: KVGroup, kv_dtype: str, tensor_parallel_size: int = 1
+) -> int:
+    """One token in one layer of ``group``, over all ranks:
+    entries x ceil(kv_heads / tp) x tp x head_dim x dtype_bytes."""
+    heads = kv_heads_per_rank(group.num_kv_heads, tensor_parallel_size) * tensor_parallel_size
+    return group.num_entries * heads * group.head_dim * DTYPE_BYTES[kv_dtype]
+
+
 def kv_bytes_per_token_per_layer(
     spec: ModelSpec, kv_dtype: str, tensor_parallel_size: int = 1
 ) -> int:
-    """K and V of one token in one layer, over all ranks:
+    """K and V of one token in one layer of ``spec``'s uniform shape, over all ranks:
     2 x ceil(kv_heads / tp) x tp x head_dim x dtype_bytes."""
     heads = kv_heads_per_rank(spec.num_kv_heads, tensor_parallel_size) * tensor_parallel_size
     return 2 * heads * spec.head_dim * DTYPE_BYTES[kv_dtype]
@@ -24,9 +38,14 @@ def kv_bytes_per_token_per_layer(
 def kv_bytes_per_block(
     spec: ModelSpec, *, max_seq_len: int, block_size: int, kv_dtype: str, tensor_parallel_size: int
 ) -> int:
-    """full_attention_layers x 2 x block_size x ceil(kv_heads/tp) x tp x head_dim x dtype_bytes."""
-    layers = spec.num_full_layers(max_seq_len)
-    return layers * block_size * kv_bytes_per_token_per_layer(spec, kv_dtype, tensor_parallel_size)
+    """Sum over full-attention groups: layers x block_size x bytes per token per layer."""
+    return sum(
+        len(g.layers)
+        * block_size
+        * group_bytes_per_token_per_layer(g, kv_dtype, tensor_parallel_size)
+        for g in spec.kv_groups(max_seq_len)
+        if g.kind == "full"
+    )
 
 
 def sliding_window_bytes(
@@ -35,11 +54,21 @@ def sliding_window_bytes(
     """KV of the sliding-window layers, a constant: each of batch_size sequences keeps
     sliding_window tokens per sliding layer, whatever the pool size.
 
-    sliding_layers x batch_size x sliding_window x (2 x ceil(kv_heads/tp) x tp x head_dim x bytes)
+    sum over sliding groups: layers x batch_size x sliding_window x bytes per token per layer
     """
-    layers = spec.num_sliding_layers(max_seq_len)
-    if layers == 0:
+    groups = [g for g in spec.kv_groups(max_seq_len) if g.kind == "sliding"]
+    if not groups:
         return 0
     assert spec.sliding_window is not None  # a layer is "sliding" only when a window is set
-    per_token = kv_bytes_per_token_per_layer(spec, kv_dtype, tensor_parallel_size)
-    return layers * batch_size * spec.sliding_window * per_token
+    return sum(
+        len(g.layers)
+        * batch_size
+        * spec.sliding_window
+        * group_bytes_per_token_per_layer(g, kv_dtype, tensor_parallel_size)
+        for g in groups
+    )
+
+
+def describe_kv_groups(spec: ModelSpec, *, max_seq_len: int) -> tuple[str, ...]:
+    """One line per pool tensor, for the plan table (``KVGroup.describe``)."""
+    return tuple(g.describe() for g in spec.kv_groups(max_seq_len))

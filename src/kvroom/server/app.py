@@ -16,21 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
+from kvroom.engine.elastic import ElasticPolicy
 from kvroom.llm import LLM
+from kvroom.server.admin import LivePool, install_admin, start_elastic
 from kvroom.server.async_engine import AsyncEngine
 from kvroom.server.auth import add_api_key_check
 from kvroom.server.errors import add_error_handlers, unsupported_params_error
 from kvroom.server.formats import ChatFormat, CompletionFormat
+from kvroom.server.images import ChatImages
 from kvroom.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from kvroom.server.metrics import ServerMetrics
 from kvroom.server.prompts import (
@@ -54,16 +60,26 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    admin_key: str | None = None,
+    elastic: ElasticPolicy | None = None,
+    allowed_local_media_path: str | Path | None = None,
 ) -> FastAPI:
     """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does.
 
     Args:
         api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>``.
         max_request_bytes: larger request bodies are refused with a 413 before parsing.
+
+    ``admin_key`` enables the admin routes (``server/admin.py``); ``elastic`` runs the elastic
+    KV pool controller while the app runs; ``allowed_local_media_path``: the folder
+    ``image_url`` parts may name local files in.
     """
     runtime = llm.runtime
+    model = runtime.runner.model
+    media = Path(allowed_local_media_path) if allowed_local_media_path else None
     engine = AsyncEngine(runtime.engine)
     cfg = runtime.info.config
+    live_pool = LivePool(runtime, engine)
     state = ServerState(
         engine=engine,
         metrics=ServerMetrics(lambda: engine.stats),
@@ -74,14 +90,18 @@ def create_app(
         vocab_size=runtime.spec.vocab_size,
         max_num_seqs=cfg.batch_size,
         block_size=cfg.kvcache_block_size,
+        images=ChatImages(model, media) if hasattr(model, "prepare_prompt") else None,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        controller = start_elastic(live_pool, elastic)
         try:
             yield
         finally:
+            if controller is not None:
+                await asyncio.to_thread(controller.stop)
             await asyncio.to_thread(engine.shutdown)
             state.tokenizers.shutdown()
 
@@ -89,6 +109,7 @@ def create_app(
     app.state.kvroom = state
     app.include_router(router)
     app.include_router(tokenize_router)
+    install_admin(app, live_pool, admin_key)
     add_error_handlers(app)
     if api_key:
         add_api_key_check(app, api_key)
@@ -160,8 +181,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise ApiError(
             400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
         )
-    messages = [m.as_template_input() for m in body.messages]
-    prompts = [Prompt(await chat_prompt_ids(s, messages), "")]
+    prompt_ids, multimodal = await _chat_prompt(s, body)
+    prompts = [Prompt(prompt_ids, "")]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(
         s,
@@ -175,7 +196,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, s.model_name, s.tokenizers.token_text, logprobs)
     job = Job(request_id, prompts, params, fmt, body.stream, body.include_usage, "messages")
-    return await serve_job(s, job, request)
+    return await serve_job(s, dataclasses.replace(job, multimodal=multimodal), request)
 
 
 def check_request(s: ServerState, body: SamplingBody) -> None:
@@ -192,6 +213,20 @@ def check_request(s: ServerState, body: SamplingBody) -> None:
         raise unsupported_params_error(
             unsupported, "kvroom does not serve tools, response formats or suffix: leave them unset"
         )
+
+
+async def _chat_prompt(s: ServerState, body: ChatCompletionRequest) -> tuple[list[int], Any]:
+    """Prompt ids (image placeholders expanded) and the model's multimodal inputs (None: text)."""
+    urls = [u for m in body.messages for u in m.image_urls()]
+    if urls and s.images is None:
+        raise ApiError(400, "this model does not take images", param="messages")
+    placeholder = s.images.placeholder if s.images is not None else ""
+    messages = [m.as_template_input(placeholder) for m in body.messages]
+    ids = await chat_prompt_ids(s, messages)
+    if not urls:
+        return ids, None
+    assert s.images is not None
+    return s.images.prepare_prompt(ids, urls)
 
 
 # -- running -----------------------------------------------------------------------------

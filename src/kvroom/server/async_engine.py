@@ -9,6 +9,8 @@
     async for out in stream              -> engine.step() -> outputs grouped per event loop,
          queue.get()     <----------------   one call_soon_threadsafe per loop and step
     stream.close()  --_Abort--> same queue -> engine.abort()  (blocks freed at once)
+    resize_kv_cache() --_Resize--> queue  -> engine.resize_kv_cache()  (between two steps;
+         future.result() <----------------   the new stats are published before it resolves)
 
 Only the loop thread touches the engine. Commands go through one FIFO, so an abort can never
 overtake the add it cancels. With no commands and no live request the thread sleeps on a
@@ -20,15 +22,17 @@ while it changes, and a client that has its last token already sees that request
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvroom.engine.engine import EngineStats, LLMEngine, RequestOutput
+from kvroom.engine.engine import EngineStats, LLMEngine, RequestOutput, ResizeResult
 from kvroom.engine.sampling import SamplingParams
-from kvroom.errors import AdmissionError
+from kvroom.errors import AdmissionError, KvroomError
 
 logger = logging.getLogger("kvroom")
 
@@ -56,11 +60,21 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     sink: _Sink
+    multimodal: Any = None
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Resize:
+    num_blocks: int
+    done: concurrent.futures.Future[ResizeResult]
+
+
+_Command = _Add | _Abort | _Resize
 
 
 class RequestStream:
@@ -113,7 +127,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Command] = deque()
         self._routes: dict[str, _Sink] = {}  # loop thread only
         self._stopping = False
         self._error: BaseException | None = None
@@ -146,10 +160,27 @@ class AsyncEngine:
         """Cancel a request (no-op if unknown or finished); its blocks are freed by the loop."""
         self._submit(_Abort(request_id), check=False)
 
+    def resize_kv_cache(self, num_blocks: int, timeout: float | None = None) -> ResizeResult:
+        """Resize the KV pool between two steps of the loop; blocks until it is done.
+
+        Call it from any thread but the loop's (the admin handlers use ``asyncio.to_thread``).
+
+        Raises:
+            KvroomError: the engine refused the size (nothing changed).
+            EngineClosedError / EngineDeadError: as for ``add_request``.
+        """
+        done: concurrent.futures.Future[ResizeResult] = concurrent.futures.Future()
+        self._submit(_Resize(num_blocks, done))
+        return done.result(timeout)
+
     # -- event-loop side -----------------------------------------------------------------
 
     async def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        multimodal: Any = None,
     ) -> RequestStream:
         """Submit a request and wait until the engine has queued it.
 
@@ -160,7 +191,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, admitted=loop.create_future())
-        self._submit(_Add(request_id, prompt_token_ids, params, sink))
+        self._submit(_Add(request_id, prompt_token_ids, params, sink, multimodal))
         try:
             await sink.admitted
         except asyncio.CancelledError:
@@ -168,7 +199,7 @@ class AsyncEngine:
             raise
         return RequestStream(self, request_id, sink)
 
-    def _submit(self, command: _Add | _Abort, *, check: bool = True) -> None:
+    def _submit(self, command: _Command, *, check: bool = True) -> None:
         with self._cond:
             if check and self._error is not None:
                 raise EngineDeadError("the engine loop has stopped; see the server log")
@@ -200,7 +231,7 @@ class AsyncEngine:
         self._deliver(outputs)
         return True
 
-    def _wait_for_work(self) -> tuple[list[_Add | _Abort], bool]:
+    def _wait_for_work(self) -> tuple[list[_Command], bool]:
         with self._cond:
             while not (self._commands or self._stopping or self._engine.has_unfinished()):
                 self._cond.wait()
@@ -208,21 +239,39 @@ class AsyncEngine:
             self._commands.clear()
             return commands, self._stopping
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Command) -> None:
         if isinstance(command, _Abort):
             self._engine.abort(command.request_id)
+            return
+        if isinstance(command, _Resize):
+            self._resize(command)
             return
         if command.sink.loop.is_closed():
             return  # its handler's event loop is gone: nobody would read the outputs
         try:
             self._engine.add_request(
-                command.prompt_token_ids, command.params, request_id=command.request_id
+                command.prompt_token_ids,
+                command.params,
+                request_id=command.request_id,
+                multimodal=command.multimodal,
             )
         except AdmissionError as exc:
             _resolve(command.sink, exc)
             return
         self._routes[command.request_id] = command.sink
         _resolve(command.sink, None)
+
+    def _resize(self, command: _Resize) -> None:
+        try:
+            result = self._engine.resize_kv_cache(command.num_blocks)
+        except KvroomError as exc:
+            command.done.set_exception(exc)
+            return
+        except BaseException as exc:
+            command.done.set_exception(exc)
+            raise
+        self._stats = self._engine.stats
+        command.done.set_result(result)
 
     def _drain(self) -> None:
         """Shutdown: abort every live request and deliver the abort outputs."""
@@ -264,9 +313,12 @@ class AsyncEngine:
         with self._cond:
             self._error = exc
             pending = [c.sink for c in self._commands if isinstance(c, _Add)]
+            resizes = [c.done for c in self._commands if isinstance(c, _Resize)]
             self._commands.clear()
         dead = EngineDeadError(f"the engine loop died: {exc!r}")
         dead.__cause__ = exc
+        for done in resizes:
+            done.set_exception(dead)
         for sink in [*self._routes.values(), *pending]:
             if not sink.loop.is_closed():
                 sink.loop.call_soon_threadsafe(_fail, sink, dead)

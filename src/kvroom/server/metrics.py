@@ -49,6 +49,7 @@ class EngineCollector(Collector):
             ("kvroom_num_preemptions", "Preemptions since start.", s.num_preemptions),
             ("kvroom_prompt_tokens", "Prompt tokens admitted.", s.num_prompt_tokens_total),
             ("kvroom_generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
+            ("kvroom_kv_cache_resizes", "Live resizes of the KV pool.", s.num_kv_resizes),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

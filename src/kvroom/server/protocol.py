@@ -131,17 +131,38 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str
+    """``data:image/...;base64,...``, or a local file under ``--allowed-local-media-path``."""
+    detail: str | None = None
+    """Accepted and ignored (OpenAI's resolution hint)."""
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     """Accepted; passed to the chat template."""
 
-    def as_template_input(self) -> dict[str, str]:
-        """``{"role", "content"}`` (text parts joined) for ``apply_chat_template``."""
+    def image_urls(self) -> list[str]:
+        """URLs of the message's ``image_url`` parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+    def as_template_input(self, image_placeholder: str = "") -> dict[str, str]:
+        """``{"role", "content"}`` (text parts joined, an image part as the model's
+        ``image_placeholder``) for ``apply_chat_template``."""
         content = self.content or ""
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(
+                p.text if isinstance(p, TextPart) else image_placeholder for p in content
+            )
         message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -57,6 +57,8 @@ class ServerState:
     """The engine's batch size: the most choices one request may ask for."""
     block_size: int
     """Tokens per KV block, to tell whether ``n`` sequences could ever fit in the pool."""
+    images: Any = None
+    """``images.ChatImages`` when the model takes images, else None."""
 
 
 @dataclass
@@ -83,6 +85,8 @@ class Job:
     echo: bool = False
     """Completions: the prompt (and its logprobs) comes before each choice's text."""
     arrival_time: float = field(default_factory=time.monotonic)
+    multimodal: Any = None
+    """The prompt's images as the model prepared them (``image_url`` parts), or None."""
 
     def engine_requests(self) -> list[tuple[str, Prompt, SamplingParams]]:
         """``(request id, prompt, params)`` per sequence, prompt-major."""
@@ -122,7 +126,11 @@ async def _submit(s: ServerState, job: Job) -> list[RequestStream]:
     streams: list[RequestStream] = []
     try:
         for request_id, prompt, params in job.engine_requests():
-            streams.append(await s.engine.add_request(prompt.token_ids, params, request_id))
+            streams.append(
+                await s.engine.add_request(
+                    prompt.token_ids, params, request_id, multimodal=job.multimodal
+                )
+            )
     except AdmissionError as exc:
         _close_all(streams)
         too_long = any(not 0 < len(p.token_ids) < s.max_seq_len for p in job.prompts)

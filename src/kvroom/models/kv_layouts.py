@@ -1,0 +1,154 @@
+"""Attention over the two KV layouts Gemma 4 adds: K=V entries, and KV shared between layers.
+
+**K=V** (``attention_k_eq_v``, full-attention layers). One projection ``k`` serves as key and
+value; transformers caches ``K = rope(k_norm(k))`` and ``V = v_norm(k)`` as two tensors. Both
+norms divide by the same RMS, and ``k_norm`` only adds its weight, so ``K = rope(V * w_k)``
+exactly (``(k * r) * w`` in either case). The pool therefore stores V alone (entry ``[1, kvh,
+D]``, half the bytes) and the keys are rebuilt from the gathered V: gathered row ``j`` of a
+full layer is position ``j`` of the sequence (block tables are in position order), so its
+rotation is ``cis(j)``, one table per step shared by every K=V layer.
+
+**KV sharing** (``num_kv_shared_layers``). A consumer layer reads its source layer's pool view
+and this step's K/V of that layer; it writes nothing. Full layers store every row before they
+attend, so the consumer gathers the same keys. A sliding layer stores a prefill chunk's last
+rows only after attending (they may overwrite old ring entries the chunk still needs), so a
+source with consumers defers that write until the consumers have run (``without_ring_write``,
+``store_ring_write``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from kvroom.models.attention import KindBatch, PrefillGroup
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """fp8 has no CPU index kernels; a same-width integer view moves the same bytes."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def store_rows(flat: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat[index] = rows``, rounded to the pool dtype."""
+    _bytes_view(flat).index_copy_(0, index, _bytes_view(rows.to(flat.dtype)))
+
+
+def without_ring_write(batch: KindBatch) -> KindBatch:
+    """``batch`` with its sliding prefill write (after attention) removed."""
+    pre = batch.prefill
+    if not batch.sliding or pre is None or pre.write_src is None:
+        return batch
+    empty = pre.write_src.new_empty(0)
+    return replace(batch, prefill=replace(pre, write_src=empty, write_dst=empty))
+
+
+def store_ring_write(cache: torch.Tensor, pre: PrefillGroup, kv: torch.Tensor) -> None:
+    """The sliding prefill write ``without_ring_write`` removed, done now."""
+    assert pre.write_src is not None and pre.write_dst is not None
+    flat = cache.view(-1, *cache.shape[2:])
+    store_rows(flat, pre.write_dst, kv.index_select(0, pre.write_src))
+
+
+def rebuild_keys(values: torch.Tensor, k_weight: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Keys ``rope(V * w_k)`` of gathered values ``[B, L, kvh, D]`` (``cis``: ``[>=L, 1, D/2]``)."""
+    b, n, h, d = values.shape
+    k = (values * k_weight).float()
+    rotated = torch.view_as_complex(k.view(b, n, h, d // 2, 2)) * cis[:n].view(1, n, 1, d // 2)
+    return torch.view_as_real(rotated).view(b, n, h, d).to(values.dtype)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """V of blocks ``index`` ``[B, n]`` -> ``[B, n * block_size, kvh, D]`` in ``dtype``."""
+    rows = _bytes_view(cache).index_select(0, index.view(-1)).view(cache.dtype)
+    return rows.view(index.shape[0], -1, *cache.shape[3:]).to(dtype)
+
+
+def k_eq_v_attention(
+    q: torch.Tensor,
+    v: torch.Tensor | None,
+    cache: torch.Tensor,
+    batch: KindBatch,
+    k_weight: torch.Tensor,
+    key_cis: Callable[[int], torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Store this step's V (unless ``v`` is None: a consumer layer), rebuild K, attend.
+
+    Args:
+        q: ``[T, heads, D]`` rotated queries.
+        v: ``[T, kvh, D]`` this step's values, or None when a source layer stored them.
+        cache: the layer's full-attention view ``[blocks, block_size, 1, kvh, D]``.
+        batch: the step's full-attention metadata.
+        k_weight: ``[D]`` the k_norm weight (``K = rope(V * w)``).
+        key_cis: ``n -> [>= n, 1, D/2]`` rotations of positions ``0 .. n-1``.
+        scale: score scale.
+
+    Returns:
+        ``[T, heads * D]``.
+    """
+    assert not batch.sliding, "K=V layers are full-attention layers"
+    if v is not None:
+        store_rows(cache.view(-1, *cache.shape[2:]), batch.write_index, v.unsqueeze(1))
+    parts = []
+    td = batch.decode.num_seqs if batch.decode is not None else 0
+    if batch.decode is not None:
+        g = batch.decode
+        values = _gather(cache, g.kv_index, q.dtype)[:, : g.kv_len]
+        cis = key_cis(values.shape[1])
+        parts.append(_attend_decode(q[:td], values, k_weight, cis, g.mask, scale))
+    if batch.prefill is not None:
+        parts.append(_attend_prefill(q[td:], cache, batch.prefill, k_weight, key_cis, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _attend_decode(
+    q: torch.Tensor,
+    values: torch.Tensor,
+    k_weight: torch.Tensor,
+    key_cis: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence; the heads of one KV head are its query rows (no repeat)."""
+    b, h, d = q.shape
+    kvh = values.shape[2]
+    k = rebuild_keys(values, k_weight, key_cis).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.view(b, kvh, h // kvh, d), k, values.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.reshape(b, h * d)
+
+
+def _attend_prefill(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    g: PrefillGroup,
+    k_weight: torch.Tensor,
+    key_cis: Callable[[int], torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Chunks padded to ``[B, max_q_len]`` against their gathered blocks, one SDPA call."""
+    tp, h, d = q.shape
+    assert g.kv_index is not None
+    values = _gather(cache, g.kv_index, q.dtype)
+    cis = key_cis(values.shape[1])
+    if g.pad_index is None:
+        q_pad = q.view(1, tp, h, d)
+    else:
+        q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
+        q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)
+    k = rebuild_keys(values, k_weight, cis).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),
+        k,
+        values.transpose(1, 2),
+        attn_mask=g.mask,
+        scale=scale,
+        enable_gqa=h != values.shape[2],
+    )
+    out = out.transpose(1, 2).reshape(-1, h * d)
+    return out if g.pad_index is None else out.index_select(0, g.pad_index)
