@@ -86,6 +86,7 @@ class LLM:
         kvcache_num_blocks_adjuster: Callable[..., int] | None = None,
         device: str | None = None,
         kvcache_max_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """
         Args:
@@ -98,6 +99,8 @@ class LLM:
             device: run on another device than the one planned for.
             kvcache_max_blocks: the largest size ``resize_kv_cache`` may reach (address space
                 reserved now; default the larger of ``num_full_blocks`` and the start size).
+            enable_prefix_caching: reuse the K/V of earlier prompts' full blocks (vLLM's
+                automatic prefix caching; on by default, off for sliding-window models).
         """
         from transformers import AutoTokenizer
 
@@ -115,7 +118,12 @@ class LLM:
         )
         tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
         self.runtime: Runtime = build_runtime(
-            info, plan, device=device, tokenizer=tokenizer, max_num_blocks=kvcache_max_blocks
+            info,
+            plan,
+            device=device,
+            tokenizer=tokenizer,
+            max_num_blocks=kvcache_max_blocks,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.tokenizer = tokenizer
         self.last_resize: ResizeResult | None = None
@@ -123,6 +131,10 @@ class LLM:
     @property
     def engine(self) -> Any:
         return self.runtime.engine
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (vLLM's ``LLM.reset_prefix_cache``); blocks dropped."""
+        return self.runtime.engine.reset_prefix_cache()
 
     def resize_kv_cache(self, num_blocks: int | str, *, persist: bool = False) -> ResizeResult:
         """Grow or shrink the KV pool now, keeping every request's KV (or recomputing the

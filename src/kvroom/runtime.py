@@ -48,11 +48,13 @@ def build_runtime(
     device: str | None = None,
     tokenizer: Any | None = None,
     max_num_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> Runtime:
     """Load the weights, allocate exactly ``plan.num_blocks`` blocks, and wire the engine.
 
     The pool reserves room to grow live up to ``max_num_blocks`` (default: the larger of
     ``plan.num_full_blocks`` and ``plan.num_blocks``); only ``plan.num_blocks`` are committed.
+    Prefix caching stays off for models with sliding-window layers (``prefix_caching_for``).
     """
     import torch
 
@@ -75,7 +77,12 @@ def build_runtime(
         max_num_blocks=max_num_blocks or max(plan.num_full_blocks, plan.num_blocks),
     )
     runner = ModelRunner(model, pool, spec, block_size=cfg.kvcache_block_size, device=device)
-    blocks = BlockManager(plan.num_blocks, cfg.kvcache_block_size, num_sliding_slots=num_slots)
+    blocks = BlockManager(
+        plan.num_blocks,
+        cfg.kvcache_block_size,
+        num_sliding_slots=num_slots,
+        enable_prefix_caching=prefix_caching_for(enable_prefix_caching, num_slots),
+    )
     scheduler = Scheduler(
         blocks,
         max_num_seqs=cfg.batch_size,
@@ -91,6 +98,17 @@ def build_runtime(
     )
     logger.info(plan.summary_line())
     return Runtime(info, plan, spec, pool, runner, engine, tokenizer)
+
+
+def prefix_caching_for(requested: bool, num_sliding_slots: int) -> bool:
+    """Prefix caching as asked, but off (logged) when sliding-window rings hold the K/V."""
+    if requested and num_sliding_slots:
+        logger.info(
+            "prefix caching is off: this model has sliding-window layers, whose per-sequence "
+            "K/V rings cannot be shared or cached"
+        )
+        return False
+    return requested
 
 
 def _eos_ids(folder: Path, tokenizer: Any | None) -> set[int]:

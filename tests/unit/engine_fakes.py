@@ -30,8 +30,13 @@ def make_scheduler(
     max_seq_len: int = 64,
     max_num_batched_tokens: int = 16,
     num_sliding_slots: int = 0,
+    enable_prefix_caching: bool | None = None,
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, BLOCK_SIZE, num_sliding_slots)
+    if enable_prefix_caching is None:  # on where the pool can share, as in the engine
+        enable_prefix_caching = num_sliding_slots == 0
+    bm = BlockManager(
+        num_blocks, BLOCK_SIZE, num_sliding_slots, enable_prefix_caching=enable_prefix_caching
+    )
     return Scheduler(
         bm,
         max_num_seqs=max_num_seqs,
@@ -103,6 +108,10 @@ class FakeRunner:
         self.released: list[int] = []
         self.max_num_blocks = 4 * num_blocks
         self.num_moved = 0
+        self.num_copied = 0
+        """Copy-on-write block copies run."""
+        self.num_computed = 0
+        """Tokens computed (prompt chunks and decodes)."""
 
     # -- the ``ResizablePool`` side: the fake pool resizes like ``KVCachePool`` ------------
 
@@ -112,8 +121,10 @@ class FakeRunner:
         self.pool = kept + [[None] * self.block_size for _ in range(num_blocks - len(kept))]
 
     def copy_blocks(self, moves: abc.Sequence[tuple[int, int]]) -> None:
-        for src, dst in moves:
-            self.pool[dst] = list(self.pool[src])
+        """Every src is read before any dst is written, as ``KVCachePool.copy_blocks``."""
+        read = [list(self.pool[src]) for src, _ in moves]
+        for (_, dst), contents in zip(moves, read, strict=True):
+            self.pool[dst] = contents
         self.num_moved += len(moves)
 
     def contents(self, table: abc.Sequence[int], num_tokens: int) -> list[int | None]:
@@ -126,10 +137,19 @@ class FakeRunner:
         for seq_id in output.preempted_seq_ids:
             self.written.pop(seq_id, None)
         self._check_step(output)
+        self.copy_blocks(output.block_copies)
+        self.num_copied += len(output.block_copies)
+        self.num_computed += output.num_tokens
         sampled: dict[int, int] = {}
         for item in output.seqs:
             if item.start_pos == 0:  # a new or recomputed sequence starts from scratch
                 self.written[item.seq_id] = []
+            elif len(self.written.get(item.seq_id, ())) != item.start_pos:
+                # new or recomputed after a preemption, with a shared prefix: its K/V is
+                # checked by the outputs (and by ``Driver``) against the sequence's tokens
+                prefix = self.contents(item.block_table, item.start_pos)
+                assert None not in prefix, f"seq {item.seq_id}: shared K/V never written"
+                self.written[item.seq_id] = prefix  # type: ignore[assignment]
             history = self.written[item.seq_id]
             assert item.start_pos == len(history), f"seq {item.seq_id}: KV gap or rewind"
             for i, token in enumerate(item.token_ids):
@@ -151,8 +171,11 @@ class FakeRunner:
         ids = [s.seq_id for s in output.seqs]
         assert len(set(ids)) == len(ids), f"a seq is scheduled twice: {ids}"
         assert not set(ids) & set(output.preempted_seq_ids), "a preempted seq is scheduled"
-        blocks = [b for s in output.seqs for b in s.block_table]
-        assert len(set(blocks)) == len(blocks), "two scheduled seqs share a block"
+        for s in output.seqs:  # a block written this step is read by no other scheduled seq
+            end = s.start_pos + len(s.token_ids)
+            written = {s.block_table[p // self.block_size] for p in range(s.start_pos, end)}
+            others = {b for o in output.seqs if o is not s for b in o.block_table}
+            assert not written & others, f"seq {s.seq_id} writes shared blocks {written & others}"
         slots = [s.sliding_slot for s in output.seqs]
         if self.num_sliding_slots:
             assert all(s is not None and 0 <= s < self.num_sliding_slots for s in slots)
@@ -190,6 +213,9 @@ class Driver:
         is_decode = [0 < s.start_pos == self.sched.get(s.seq_id).num_tokens - 1 for s in out.seqs]
         assert is_decode == sorted(is_decode, reverse=True), "decodes must come first"
         sampled = {} if out.is_empty else self.runner.execute(out)
+        for s in out.seqs:  # shared or not, the K/V a step reads is the sequence's own tokens
+            tokens = self.sched.get(s.seq_id).all_token_ids[: s.start_pos + len(s.token_ids)]
+            assert self.runner.contents(s.block_table, len(tokens)) == list(tokens), s.seq_id
         for seq in self.sched.update(out, sampled):
             if seq.is_finished:
                 self.finished[seq.seq_id] = seq

@@ -101,6 +101,12 @@ class EngineStats:
     num_generation_tokens_total: int
     num_kv_resizes: int = 0
     """Live resizes of the KV pool since start."""
+    num_prefix_cache_queries: int = 0
+    """Prompt tokens of admitted requests looked up in the prefix cache (vLLM counts tokens)."""
+    num_prefix_cache_hits: int = 0
+    """Of those, tokens whose K/V came from the cache instead of being computed."""
+    num_forked_tokens: int = 0
+    """Prompt tokens not computed because a running twin (another of ``n`` choices) had them."""
 
 
 @dataclass
@@ -260,7 +266,22 @@ class LLMEngine:
             num_prompt_tokens_total=self._num_prompt_tokens,
             num_generation_tokens_total=self._num_generation_tokens,
             num_kv_resizes=self.num_kv_resizes,
+            num_prefix_cache_queries=bm.cache.num_query_tokens if bm.cache else 0,
+            num_prefix_cache_hits=bm.cache.num_hit_tokens if bm.cache else 0,
+            num_forked_tokens=self.scheduler.num_forked_tokens,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (between steps); running requests keep their blocks.
+
+        Returns:
+            Cached-free blocks dropped (0 when prefix caching is off).
+        """
+        return self.scheduler.block_manager.reset_prefix_cache()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.scheduler.block_manager.cache is not None
 
     # -- per-token bookkeeping -----------------------------------------------------------
 

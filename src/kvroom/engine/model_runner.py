@@ -75,6 +75,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, output: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Forward one step; float32 logits ``[N, vocab]`` of the N sequences that sample."""
+        if output.block_copies:
+            self.pool.copy_blocks(output.block_copies)
         seqs = _decodes_first(output.seqs)
         if not seqs:
             return [], torch.empty(0, self.spec.vocab_size, device=self.device)

@@ -48,6 +48,9 @@ class SchedulerOutput:
     """Sequences to run, decodes first, then prefill chunks."""
     preempted_seq_ids: tuple[int, ...] = field(default=())
     """Sequences whose blocks were freed this step; they are recomputed later."""
+    block_copies: tuple[tuple[int, int], ...] = field(default=())
+    """Copy-on-write ``(src, dst)`` block K/V copies to run before this step's forward; every
+    src is read before any dst is written (a shared block one sequence is about to write)."""
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,10 @@ over one shared token budget (``max_num_batched_tokens``)::
                  then the one seq still mid-prefill, if any               min(left, budget, room)
     2. admit     waiting seqs, FIFO, while seats, budget and blocks last   first chunk
 
+An admitted sequence first takes the K/V it can share (``sharing.claim_prefix``: a running
+twin's blocks, or the prefix cache), and its first chunk starts after them; the step's
+copy-on-write block copies travel in the ``SchedulerOutput``.
+
 Decodes go first so that a long prompt, split into chunks, never stalls the running requests.
 Walking the running list in admission order already puts them first, because of an invariant
 (checked by ``check_invariants``): *only the most recently admitted running sequence can be
@@ -32,6 +36,7 @@ from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.output import ScheduledSeq, SchedulerOutput
 from kvroom.engine.pool_migration import PoolResize
 from kvroom.engine.sequence import Sequence, SequenceStatus
+from kvroom.engine.sharing import Claim, claim_prefix, kv_is_token_function
 from kvroom.errors import AdmissionError, ConfigError
 
 
@@ -49,8 +54,8 @@ class _Step:
         self.scheduled[item.seq_id] = item
         self.budget -= len(item.token_ids)
 
-    def output(self) -> SchedulerOutput:
-        return SchedulerOutput(tuple(self.scheduled.values()), tuple(self.preempted))
+    def output(self, copies: tuple[tuple[int, int], ...]) -> SchedulerOutput:
+        return SchedulerOutput(tuple(self.scheduled.values()), tuple(self.preempted), copies)
 
 
 class Scheduler:
@@ -82,6 +87,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_preemptions = 0
         """Preemptions since construction (a counter for metrics)."""
+        self.num_forked_tokens = 0
+        """Prompt tokens not computed because a running twin's blocks were forked."""
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # admission order: the last one is preempted first
         self._seqs: dict[int, Sequence] = {}
@@ -156,7 +163,7 @@ class Scheduler:
                 self._schedule_running(seq, step)
         if not step.preempted:
             self._admit_waiting(step)
-        return step.output()
+        return step.output(self.block_manager.pop_copies())
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Record what the runner computed and sampled for ``output``.
@@ -176,6 +183,7 @@ class Scheduler:
                 continue
             assert seq.num_computed_tokens == item.start_pos, f"seq {seq.seq_id} moved"
             seq.num_computed_tokens += len(item.token_ids)
+            self._cache_blocks(seq, item.start_pos)
             if item.needs_sample:
                 assert item.seq_id in sampled, f"runner returned no token for seq {seq.seq_id}"
                 seq.output_token_ids.append(sampled[item.seq_id])
@@ -242,7 +250,8 @@ class Scheduler:
         """Give a running seq its next chunk, preempting younger seqs if the pool is dry."""
         wanted = min(seq.num_uncomputed_tokens, step.budget)
         while True:
-            room = self.block_manager.capacity(seq.seq_id) - seq.num_computed_tokens
+            room = self.block_manager.capacity(seq.seq_id, seq.num_computed_tokens)
+            room -= seq.num_computed_tokens
             if room > 0:
                 step.add(self._chunk(seq, min(wanted, room)))
                 return
@@ -252,23 +261,54 @@ class Scheduler:
                 return
 
     def _admit_waiting(self, step: _Step) -> None:
-        """Admit waiting seqs FIFO with a first chunk that fits the budget and free blocks."""
-        bm = self.block_manager
+        """Admit waiting seqs FIFO with a first chunk that fits the budget and free blocks.
+
+        A seq first takes the K/V it can share (``sharing.claim_prefix``); its chunk starts
+        after it. A chunk cut short (budget or blocks) ends admission for this step.
+        """
         while self._waiting and len(self._running) < self.max_num_seqs and step.budget > 0:
             seq = self._waiting[0]
-            num_tokens = min(seq.num_tokens, step.budget, bm.capacity(seq.seq_id))
-            if num_tokens == 0:
+            claim = claim_prefix(self.block_manager, seq, self._running)
+            if claim is None:  # a twin is prefilling the same prompt: fork it next step
                 return
+            seq.num_computed_tokens = claim.num_tokens
+            room = self.block_manager.capacity(seq.seq_id, claim.num_tokens) - claim.num_tokens
+            num_tokens = min(seq.num_uncomputed_tokens, step.budget, room)
+            if num_tokens <= 0:
+                self._unclaim(seq)
+                return
+            self._count_claim(seq, claim)
             seq.admit()
             self._waiting.popleft()
             self._running.append(seq)
             step.add(self._chunk(seq, num_tokens))
+            if seq.num_uncomputed_tokens > num_tokens:
+                return
+
+    def _unclaim(self, seq: Sequence) -> None:
+        """Give back what ``claim_prefix`` lent a seq that cannot be admitted after all."""
+        if seq.seq_id in self.block_manager.table_owners:
+            self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+
+    def _count_claim(self, seq: Sequence, claim: Claim) -> None:
+        cache = self.block_manager.cache
+        if claim.forked:
+            self.num_forked_tokens += claim.num_tokens
+        elif cache is not None and kv_is_token_function(seq):
+            cache.record_query(seq.num_tokens, claim.num_tokens)
+
+    def _cache_blocks(self, seq: Sequence, start: int) -> None:
+        """Register the full blocks a step completed (not for K/V that depends on images)."""
+        bs = self.block_manager.block_size
+        if seq.num_computed_tokens // bs > start // bs and kv_is_token_function(seq):
+            self.block_manager.cache_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
 
     def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
         """Allocate blocks for ``num_tokens`` more tokens of ``seq`` and describe the chunk."""
         start = seq.num_computed_tokens
         end = start + num_tokens
-        table = self.block_manager.allocate(seq.seq_id, end)
+        table = self.block_manager.allocate(seq.seq_id, end, start)
         assert table is not None, f"seq {seq.seq_id}: capacity promised {end} tokens"
         seq.block_table = table
         seq.sliding_slot = self.block_manager.sliding_slot(seq.seq_id)
