@@ -63,7 +63,13 @@ def build_runtime(
     device = device or info.config.device
     model = load_model(info.folder, dtype=getattr(torch, info.config.dtype), device=device)
     return assemble_runtime(
-        info, plan, model, device=device, tokenizer=tokenizer, max_num_blocks=max_num_blocks
+        info,
+        plan,
+        model,
+        device=device,
+        tokenizer=tokenizer,
+        max_num_blocks=max_num_blocks,
+        enable_prefix_caching=enable_prefix_caching,
     )
 
 
@@ -75,6 +81,7 @@ def assemble_runtime(
     device: str | None = None,
     tokenizer: Any | None = None,
     max_num_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> Runtime:
     """Allocate exactly ``plan.num_blocks`` blocks and wire the engine around a loaded model
     (``build_runtime`` without the load; the profiling pass measures the two apart)."""

@@ -93,8 +93,22 @@ def add_startup_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="run on this device instead (cpu, cuda)")
 
 
+def add_prefix_caching_flag(parser: argparse.ArgumentParser) -> None:
+    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's spelling)."""
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of full blocks earlier prompts computed (system prompts, multi-turn "
+        "chat); default on, always off for models with sliding-window layers",
+    )
+
+
 def startup_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM(...)`` keyword arguments the start-up flags ask for."""
     overrides = config_overrides(args)
     if getattr(args, "device", None):
         overrides["device"] = args.device
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        overrides["enable_prefix_caching"] = args.enable_prefix_caching
     return overrides

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvroom.cli.options import add_startup_flags, startup_overrides
+from kvroom.cli.options import add_prefix_caching_flag, add_startup_flags, startup_overrides
 from kvroom.cli.serve_command import add_serve_command
 from kvroom.cli.vllm_command import add_vllm_args_command
 
@@ -36,6 +36,7 @@ def add_runtime_commands(sub: Any) -> None:
     )
     add_sampling_flags(p)
     add_startup_flags(p)
+    add_prefix_caching_flag(p)
     p.set_defaults(func=cmd_run)
     add_serve_command(sub)
     add_vllm_args_command(sub)

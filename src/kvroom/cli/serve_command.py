@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from kvroom.cli.live_pool_options import add_live_pool_flags, open_llm
-from kvroom.cli.options import add_startup_flags, startup_overrides
+from kvroom.cli.options import add_prefix_caching_flag, add_startup_flags, startup_overrides
 from kvroom.cli.vllm_command import add_vllm_serve_flags, launch_for, serve_with_vllm
 from kvroom.errors import ConfigError
 
@@ -35,6 +35,7 @@ def add_serve_command(sub: Any) -> None:
         help="kvroom's own runtime (default), or `vllm serve` given exactly the planned pool",
     )
     add_startup_flags(p)
+    add_prefix_caching_flag(p)
     p.add_argument(
         "--persist",
         action="store_true",

@@ -34,6 +34,7 @@ from kvroom.llm import LLM
 from kvroom.server.admin import LivePool, install_admin, start_elastic
 from kvroom.server.async_engine import AsyncEngine
 from kvroom.server.auth import add_api_key_check
+from kvroom.server.cache_routes import router as cache_router
 from kvroom.server.errors import add_error_handlers, unsupported_params_error
 from kvroom.server.formats import ChatFormat, CompletionFormat
 from kvroom.server.images import ChatImages
@@ -109,6 +110,7 @@ def create_app(
     app.state.kvroom = state
     app.include_router(router)
     app.include_router(tokenize_router)
+    app.include_router(cache_router)
     install_admin(app, live_pool, admin_key)
     add_error_handlers(app)
     if api_key:

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +75,15 @@ class _Resize:
     done: concurrent.futures.Future[ResizeResult]
 
 
-_Command = _Add | _Abort | _Resize
+@dataclass(frozen=True)
+class _Call:
+    """Run ``fn(engine)`` between two steps (cache maintenance)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
+
+
+_Command = _Add | _Abort | _Resize | _Call
 
 
 class RequestStream:
@@ -173,6 +182,13 @@ class AsyncEngine:
         self._submit(_Resize(num_blocks, done))
         return done.result(timeout)
 
+    def reset_prefix_cache(self, timeout: float | None = None) -> int:
+        """Forget the prefix cache between two steps; blocks until done (any thread but the
+        loop's). Returns the cached-free blocks dropped."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._submit(_Call(lambda engine: engine.reset_prefix_cache(), done))
+        return done.result(timeout)
+
     # -- event-loop side -----------------------------------------------------------------
 
     async def add_request(
@@ -246,6 +262,9 @@ class AsyncEngine:
         if isinstance(command, _Resize):
             self._resize(command)
             return
+        if isinstance(command, _Call):
+            self._call(command)
+            return
         if command.sink.loop.is_closed():
             return  # its handler's event loop is gone: nobody would read the outputs
         try:
@@ -267,6 +286,15 @@ class AsyncEngine:
         except KvroomError as exc:
             command.done.set_exception(exc)
             return
+        except BaseException as exc:
+            command.done.set_exception(exc)
+            raise
+        self._stats = self._engine.stats
+        command.done.set_result(result)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self._engine)
         except BaseException as exc:
             command.done.set_exception(exc)
             raise

@@ -2,7 +2,8 @@
 
 The token is compared with ``hmac.compare_digest`` (constant time: how long the check takes
 says nothing about how much of a guess was right). A missing or wrong token is a 401 in the
-OpenAI error shape. ``/health``, ``/metrics`` and the tokenizer routes stay open, as in vLLM.
+OpenAI error shape. ``/health``, ``/metrics`` and the tokenizer routes stay open, as in vLLM;
+``/reset_prefix_cache`` needs the key too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from fastapi.responses import Response
 from kvroom.server.errors import error_response
 from kvroom.server.protocol import ApiError
 
+PROTECTED_PATHS = frozenset({"/reset_prefix_cache"})
+"""Routes outside ``/v1`` that need the key as well."""
+
 API_KEY_ENV = "KVROOM_API_KEY"
 """The environment variable ``kvroom serve`` reads when ``--api-key`` is not given."""
 
@@ -27,7 +31,8 @@ def add_api_key_check(app: FastAPI, api_key: str) -> None:
     async def check_api_key(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if request.method == "OPTIONS" or not request.url.path.startswith("/v1"):
+        path = request.url.path
+        if request.method == "OPTIONS" or not (path.startswith("/v1") or path in PROTECTED_PATHS):
             return await call_next(request)
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):

@@ -50,6 +50,16 @@ class EngineCollector(Collector):
             ("kvroom_prompt_tokens", "Prompt tokens admitted.", s.num_prompt_tokens_total),
             ("kvroom_generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
             ("kvroom_kv_cache_resizes", "Live resizes of the KV pool.", s.num_kv_resizes),
+            (
+                "kvroom_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+                s.num_prefix_cache_queries,
+            ),
+            (
+                "kvroom_prefix_cache_hits",
+                "Prompt tokens whose KV came from the prefix cache (vLLM's prefix_cache_hits).",
+                s.num_prefix_cache_hits,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
