@@ -164,7 +164,7 @@ def test_penalties_bias_and_vllm_extras_are_accepted(client: openai.OpenAI, llm:
     bench = client.completions.create(  # what `vllm bench serve` sends
         model=MODEL, prompt="hi", max_tokens=2, extra_body={"repetition_penalty": 1.0}
     )
-    assert bench.choices[0].finish_reason == "length"
+    assert bench.choices[0].finish_reason in ("length", "stop")  # unseeded: EOS may come
 
 
 def test_tokenize_and_detokenize_in_vllm_shapes(server: ThreadServer, llm: LLM) -> None:

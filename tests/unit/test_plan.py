@@ -404,6 +404,7 @@ def test_render_table_has_every_figure(tiny_plan: MemoryPlan) -> None:
         "chosen kvcache_num_blocks (estimate)": "10",
         "KV pool": "40 tokens, 10.00 KiB",
         "max concurrency at max_seq_len": "1",
+        "  with a shared prefix of 16 tokens": "1",  # (10 - 4) // (8 - 4)
         "total at peak: kvroom run / LLM": "92.06 KiB",  # 40_000 + 44_032 + 10 x 1024
         "total at peak: kvroom serve": "92.06 KiB",  # the formula has no server term
     }

@@ -30,6 +30,7 @@ from kvroom.model_spec import ModelSpec
 from kvroom.plan.buffers import runtime_buffer_bytes
 from kvroom.plan.kv import describe_kv_groups, kv_bytes_per_block, sliding_window_bytes
 from kvroom.plan.measured import MeasuredTerms
+from kvroom.plan.sharing import shared_prefix_row
 from kvroom.plan.weights import weight_bytes
 from kvroom.units import format_bytes, mib
 
@@ -234,6 +235,13 @@ class MemoryPlan:
             (f"chosen kvcache_num_blocks ({self.num_blocks_source})", str(self.num_blocks)),
             ("KV pool", f"{self.num_tokens} tokens, {format_bytes(self.kv_bytes)}"),
             ("max concurrency at max_seq_len", str(self.max_concurrency)),
+            shared_prefix_row(
+                num_blocks=self.num_blocks,
+                block_size=self.kvcache_block_size,
+                max_seq_len=self.max_seq_len,
+                batch_size=self.batch_size,
+                has_sliding_layers=self.sliding_window_bytes > 0,
+            ),
             ("total at peak: kvroom run / LLM", format_bytes(self.total_bytes)),
             ("total at peak: kvroom serve", format_bytes(self.serve_total_bytes)),
         ]
