@@ -95,7 +95,7 @@ class GrammarCompiler:
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise StructuredOutputError(
-                f"structured_outputs.{kind}: {_reason(exc)}; fix the {_noun(kind)}"
+                f"structured_outputs.{kind}: the {_noun(kind)} does not compile: {_reason(exc)}"
             ) from exc
 
     def _xgr_compiler(self) -> Any:
