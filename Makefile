@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
 ART    ?= artifacts/smollm2-135m
 
-.PHONY: install demo test test-vllm test-cuda lint bench clean
+.PHONY: install demo test test-vllm test-cuda lint bench plan-truth clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,11 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+# Planned total vs measured peak, case by case (MATRIX=small for the CI matrix).
+MATRIX ?= full
+plan-truth: install
+	$(PY) benchmarks/plan_truth.py --matrix $(MATRIX) --json benchmarks/results-plan-truth.json
 
 clean:
 	rm -rf $(VENV) artifacts

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from kvroom.heap import bound_kernel_caches
+
 if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Idle OpenMP threads sleep at once instead of spinning. A decode step opens ~10 parallel
@@ -23,6 +25,8 @@ if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
     # 8 tok/s with libgomp's default spin and 4.4 tok/s ACTIVE. Set OMP_WAIT_POLICY to override.
 
 __version__ = "0.1.0"
+
+bound_kernel_caches()  # before torch loads oneDNN (see kvroom/heap.py)
 
 _EXPORTS = {
     "DecoderOnlyConfig": "kvroom.config",

@@ -1,17 +1,20 @@
 """Crash-safe replacement of a small file: temp file in the same folder, fsync, ``os.replace``,
-fsync of the folder, all under a lock file, so readers see the old or the new file, never a mix.
+fsync of the folder, all under a lock, so readers see the old or the new file, never a mix.
+
+The lock is ``flock`` on the folder itself, so nothing is left behind in it. A lock *file*
+could not be removed safely after use: a process waiting on it would then hold a lock on the
+unlinked file while a newcomer creates and locks a fresh one, and both would write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from kvroom.errors import ArtifactError
 
@@ -21,23 +24,28 @@ PAUSE_ENV = "KVROOM_TEST_PAUSE_BEFORE_REPLACE"
 
 @contextlib.contextmanager
 def locked(path: Path, timeout_s: float = 60.0) -> Iterator[None]:
-    """Hold the lock of ``path`` (``.<name>.lock`` beside it) for a read-modify-write.
+    """Hold the lock of ``path`` (an exclusive ``flock`` of its folder) for a read-modify-write.
 
     Raises:
         ArtifactError: another process held the lock for ``timeout_s`` seconds.
     """
-    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        lock.acquire(timeout=timeout_s)
-    except Timeout:
-        raise ArtifactError(
-            f"{path}: locked by another process for {timeout_s:g} s (a concurrent kvroom set?); "
-            "try again"
-        ) from None
-    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ArtifactError(
+                        f"{path}: locked by another process for {timeout_s:g} s "
+                        "(a concurrent kvroom set?); try again"
+                    ) from None
+                time.sleep(0.01)
         yield
     finally:
-        lock.release()
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def atomic_write_text(path: Path, text: str) -> None:

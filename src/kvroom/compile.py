@@ -110,7 +110,7 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
 
     Args:
         profile: run the profiling pass (``kvroom.profiling``) and fit with its measured
-            runtime memory instead of the formula.
+            terms instead of the formula.
     """
     from kvroom.artifact.writer import check_output_folder, write_artifact
 
@@ -125,9 +125,9 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
         _copy_processor_files(planned.source.folder, folder)
         plan = planned.plan
         if profile:
-            from kvroom.profiling import measure_runtime_bytes
+            from kvroom.profiling import measure_terms
 
-            plan = plan.with_measured_runtime(measure_runtime_bytes(folder))
+            plan = plan.with_measured(measure_terms(folder))
         plan = resolve_num_blocks(plan, planned.config)
         logger.info(plan.summary_line(pin_hint=True))
         return planned.info(folder, plan)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvroom import heap
 from kvroom.artifact.resize import startup_plan
 from kvroom.engine.engine import RequestOutput, ResizeResult
 from kvroom.engine.live_pool import KVCacheState, resolve_resize
@@ -101,6 +102,7 @@ class LLM:
         """
         from transformers import AutoTokenizer
 
+        heap.configure()  # before the tokenizer and the runtime start threads
         if kvcache_num_blocks_adjuster is not None:
             logger.warning(
                 "kvcache_num_blocks_adjuster is ignored when loading an artifact: the estimate "
@@ -119,6 +121,14 @@ class LLM:
         )
         self.tokenizer = tokenizer
         self.last_resize: ResizeResult | None = None
+
+    @classmethod
+    def from_runtime(cls, runtime: Runtime) -> LLM:
+        """An ``LLM`` over an assembled runtime (the profiling pass builds one step by step)."""
+        llm = cls.__new__(cls)
+        llm.runtime = runtime
+        llm.tokenizer = runtime.tokenizer
+        return llm
 
     @property
     def engine(self) -> Any:

@@ -1,21 +1,21 @@
-"""Measure the runtime's real non-KV memory at its peak shape (``compile``'s profiling pass).
+"""Measure what a process running the artifact holds, term by term (``compile``'s profiling pass).
 
-Runs in a fresh Python process, as a deployment would, so the figure holds what a served
-artifact really costs besides its weights and KV pool: the interpreter, torch, and the step's
-activations. Method:
+``measure_terms`` runs ``kvroom.profile_process`` in a fresh Python process, which builds the
+runtime the way ``kvroom.LLM`` and ``kvroom serve`` do (imports, tokenizer, weights, pool,
+engine, server app), reading the process's memory between the stages. The differences are
+the named terms of ``kvroom.plan.measured.MeasuredTerms``; none is a margin.
 
-- CPU: Linux's peak resident set (``VmHWM`` of ``/proc/self/status``), reset through
-  ``/proc/self/clear_refs`` just before the peak steps when the kernel allows it (else the
-  peak since start, which can only over-count);
-  ``measured = VmHWM - weight_bytes - pool.nbytes``. Resident memory is what the kernel and a
-  cgroup limit count, which is what the planner's budget (available RAM, cgroup headroom) is.
-- CUDA: ``torch.cuda.max_memory_allocated() - weight_bytes - pool.nbytes``, after
-  ``reset_peak_memory_stats`` (the CUDA context is already outside ``mem_get_info``'s free).
+- CPU: resident set (``VmRSS``) and its peak (``VmHWM`` of ``/proc/self/status``); the peak
+  is reset through ``/proc/self/clear_refs`` before each stage and step where the kernel
+  allows it (else it keeps the peak since start, which can only over-count). Resident memory
+  is what a cgroup limit counts, which is what the planner's budget is.
+- CUDA: ``torch.cuda.memory_reserved`` and ``max_memory_reserved`` (what the caching allocator
+  holds from the device), and the CUDA context (device memory in use minus reserved).
 
-The peak shape is the larger of two steps: ``batch_size`` decodes at ``max_seq_len`` context,
-and one prefill chunk of ``max_num_batched_tokens`` tokens ending at ``max_seq_len``. Their
-block tables all alias the same ``num_min_blocks`` blocks (the contents do not matter, the
-gather sizes do), so the pool allocated for profiling stays small.
+The pool used here is ``num_min_blocks`` long (its bytes are exact and are not a measured
+term); the peak-shape steps (``peak_steps``) alias their block tables onto it: contents do
+not matter, the gather sizes do. Tables run backwards so no step takes the contiguous
+no-gather path a fresh pool can give.
 """
 
 from __future__ import annotations
@@ -25,84 +25,151 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from kvroom.artifact.layout import ArtifactInfo, read_info
+from kvroom.artifact.layout import ArtifactInfo
 from kvroom.engine.output import ScheduledSeq, SchedulerOutput
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import KvroomError
+from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+ROUNDS = 2
+"""Rounds over the peak shapes: the first warms up, the peaks are the max over the others."""
 
 
 class ProfilingError(KvroomError, RuntimeError):
     """The profiling subprocess failed; its stderr tail is in the message."""
 
 
-def measure_runtime_bytes(folder: Path, timeout_s: float = 600.0) -> int:
+def measure_terms(folder: Path, timeout_s: float = 1800.0) -> MeasuredTerms:
     """Run the profiling pass on the artifact at ``folder`` in a fresh process."""
-    cmd = [sys.executable, "-m", "kvroom.profiling", str(folder)]
+    cmd = [sys.executable, "-m", "kvroom.profile_process", str(folder)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         tail = " ".join(done.stderr.strip().splitlines()[-3:])
         raise ProfilingError(f"profiling pass failed (exit {done.returncode}): {tail}")
-    return int(json.loads(done.stdout.strip().splitlines()[-1])["measured_runtime_bytes"])
+    return MeasuredTerms.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def peak_steps(info: ArtifactInfo, vocab_size: int) -> list[SchedulerOutput]:
-    """The two peak-shape steps described in the module docstring."""
+def _chunk_sizes(batch_size: int, max_seq_len: int, budget: int) -> list[int]:
+    """Prefill chunks of one step with the most rows and the widest padded layout: as many
+    sequences as the budget seats (two tokens at least each), the longest chunks first."""
+    seqs = max(1, min(batch_size, budget // 2))
+    sizes = []
+    left = budget
+    for i in range(seqs):
+        size = max(2, min(max_seq_len, left - 2 * (seqs - i - 1)))
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def peak_steps(info: ArtifactInfo, vocab_size: int) -> dict[str, SchedulerOutput]:
+    """One step per ``STEP_SHAPES`` entry, every sequence at full context (``max_seq_len``):
+
+    - ``decode``: ``batch_size`` decodes;
+    - ``prefill``: one chunk of ``min(max_num_batched_tokens, max_seq_len)`` tokens;
+    - ``prefill_many``: the budget split over as many chunks as it seats (``_chunk_sizes``);
+    - ``mixed``: ``batch_size - 1`` decodes and one chunk with the rest of the budget.
+
+    Every sequence samples with temperature and top-p over the whole vocabulary, half of
+    them seeded, so the step includes the sampler's largest buffers.
+    """
     cfg = info.config
-    table = tuple(range(cfg.num_min_blocks))
+    table = tuple(reversed(range(cfg.num_min_blocks)))
+    end = cfg.max_seq_len
+    budget = cfg.max_num_batched_tokens
+
+    def seq(i: int, n: int) -> ScheduledSeq:
+        params = SamplingParams(
+            temperature=0.8, top_p=0.95, max_tokens=1, seed=i if i % 2 else None
+        )
+        tokens = tuple((i + t) % vocab_size for t in range(n))
+        return ScheduledSeq(i, tokens, end - n, table, i, True, params)
+
+    decodes = tuple(seq(i, 1) for i in range(cfg.batch_size))
+    many = _chunk_sizes(cfg.batch_size, end, budget)
+    rest = min(end, budget - (cfg.batch_size - 1))
+    mixed = decodes[:-1] + ((seq(cfg.batch_size - 1, rest),) if rest >= 2 else ())
+    steps = {
+        "decode": decodes,
+        "prefill": (seq(0, min(budget, end)),),
+        "prefill_many": tuple(seq(i, n) for i, n in enumerate(many)),
+        "mixed": mixed,
+    }
+    assert tuple(steps) == STEP_SHAPES
+    return {k: SchedulerOutput(v) for k, v in steps.items()}
+
+
+FILL_TOKEN_COUNTS = 8
+"""Warm-up steps of 1..8 tokens: every distinct size compiles and caches a kernel per
+projection and the LM head, enough to fill the bounded kernel caches several times over
+(``heap.KERNEL_CACHE_CAPACITY`` entries)."""
+
+
+def fill_steps(info: ArtifactInfo, vocab_size: int) -> list[SchedulerOutput]:
+    """Small steps of ``1..FILL_TOKEN_COUNTS`` tokens (decodes up to ``batch_size``, then one
+    chunk), so the kernel caches hold as many entries as a long-running server's do."""
+    cfg = info.config
+    table = tuple(reversed(range(cfg.num_min_blocks)))
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    decodes = tuple(
-        ScheduledSeq(i, (i % vocab_size,), cfg.max_seq_len - 1, table, i, True, greedy)
-        for i in range(cfg.batch_size)
-    )
-    chunk = min(cfg.max_num_batched_tokens, cfg.max_seq_len)
-    prompt = tuple(t % vocab_size for t in range(chunk))
-    prefill = (ScheduledSeq(0, prompt, cfg.max_seq_len - chunk, table, 0, True, greedy),)
-    return [SchedulerOutput(decodes), SchedulerOutput(prefill)]
+    end = cfg.max_seq_len
+    steps = []
+    for n in range(1, min(FILL_TOKEN_COUNTS, cfg.max_num_batched_tokens, end) + 1):
+        if n <= cfg.batch_size:
+            seqs = tuple(
+                ScheduledSeq(i, (i % vocab_size,), end - 1, table, i, True, greedy)
+                for i in range(n)
+            )
+        else:
+            tokens = tuple(t % vocab_size for t in range(n))
+            seqs = (ScheduledSeq(0, tokens, end - n, table, 0, True, greedy),)
+        steps.append(SchedulerOutput(seqs))
+    return steps
 
 
-def _profile(folder: Path) -> int:
-    import torch
+class CpuProbe:
+    """Resident set and its peak, in bytes."""
 
-    from kvroom.runtime import build_runtime
+    def current(self) -> int:
+        return _status_bytes("VmRSS:")
 
-    info = read_info(folder)
-    plan = info.plan.with_num_blocks(info.config.num_min_blocks, "profile")
-    runtime = build_runtime(info, plan)
-    runtime.pool.touch()  # a lazily zeroed CPU pool is resident only where touched
-    steps = peak_steps(info, runtime.spec.vocab_size)
-    cuda = str(info.config.device).startswith("cuda")
-    runtime.runner.execute(steps[1])  # warm-up: one-time allocations are not the peak
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        _reset_peak_rss()
-    for step in steps:
-        runtime.runner.execute(step)
-    if cuda:
-        torch.cuda.synchronize()
-        peak = int(torch.cuda.max_memory_allocated())
-    else:
-        peak = _peak_rss()
-    return max(peak - info.plan.weight_bytes - runtime.pool.nbytes(), 0)
+    def peak(self) -> int:
+        return _status_bytes("VmHWM:")
+
+    def reset_peak(self) -> None:
+        # Where the kernel refuses, VmHWM keeps the peak since start: an over-count, never under.
+        with contextlib.suppress(OSError):
+            PROC_CLEAR_REFS.write_text("5")
 
 
-def _reset_peak_rss() -> None:
-    # Where the kernel refuses, VmHWM keeps the peak since start: an over-count, never under.
-    with contextlib.suppress(OSError):
-        PROC_CLEAR_REFS.write_text("5")
+class CudaProbe:
+    """The caching allocator's reserved bytes and their peak, after a synchronize."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+
+    def current(self) -> int:
+        self.torch.cuda.synchronize()
+        return int(self.torch.cuda.memory_reserved())
+
+    def peak(self) -> int:
+        self.torch.cuda.synchronize()
+        return int(self.torch.cuda.max_memory_reserved())
+
+    def reset_peak(self) -> None:
+        self.torch.cuda.synchronize()
+        self.torch.cuda.reset_peak_memory_stats()
+
+    def context_bytes(self) -> int:
+        free, total = self.torch.cuda.mem_get_info()
+        return int(total - free) - self.current()
 
 
-def _peak_rss() -> int:
+def _status_bytes(key: str) -> int:
     for line in PROC_STATUS.read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key):
             return int(line.split()[1]) * 1024
-    raise ProfilingError("no VmHWM in /proc/self/status: peak RSS is unknown on this system")
-
-
-if __name__ == "__main__":
-    print(json.dumps({"measured_runtime_bytes": _profile(Path(sys.argv[1]))}))
+    raise ProfilingError(f"no {key} in /proc/self/status: resident memory is unknown here")

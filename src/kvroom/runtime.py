@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvroom import heap
 from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
 from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine
@@ -57,12 +58,32 @@ def build_runtime(
     """
     import torch
 
+    heap.configure()  # before the runtime starts threads (see kvroom/heap.py)
+    device = device or info.config.device
+    model = load_model(info.folder, dtype=getattr(torch, info.config.dtype), device=device)
+    return assemble_runtime(
+        info, plan, model, device=device, tokenizer=tokenizer, max_num_blocks=max_num_blocks
+    )
+
+
+def assemble_runtime(
+    info: ArtifactInfo,
+    plan: MemoryPlan,
+    model: Any,
+    *,
+    device: str | None = None,
+    tokenizer: Any | None = None,
+    max_num_blocks: int | None = None,
+) -> Runtime:
+    """Allocate exactly ``plan.num_blocks`` blocks and wire the engine around a loaded model
+    (``build_runtime`` without the load; the profiling pass measures the two apart)."""
+    import torch
+
     cfg = info.config
     device = device or cfg.device
     spec = read_spec(info.folder)
     kinds = spec.layer_kinds(cfg.max_seq_len)
     num_slots = cfg.batch_size if "sliding" in kinds else 0
-    model = load_model(info.folder, dtype=getattr(torch, cfg.dtype), device=device)
     if hasattr(model, "configure_multimodal"):
         model.configure_multimodal(info.folder, cfg)
     pool = KVCachePool(

@@ -78,7 +78,7 @@ def test_pause_hook_sleeps_before_replace(tmp_path, monkeypatch):
 def test_locked_is_exclusive_and_times_out_with_an_artifact_error(tmp_path):
     path = tmp_path / "f.json"
     with locked(path):
-        assert (tmp_path / ".f.json.lock").exists()
+        assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob(".*.lock"))
         # A second holder in another process (flock is per open file, so a subprocess is honest).
         code = (
             "import sys; from pathlib import Path; from kvroom.atomic import locked\n"
@@ -194,3 +194,9 @@ def test_set_killed_mid_write_leaves_the_old_file(art):
     # The kernel released the dead process's lock: the next set goes through.
     set_kvcache_num_blocks(art, 30)
     assert assert_valid(art) == 30
+
+
+def test_set_leaves_no_lock_file_in_the_artifact(art):
+    before = sorted(p.name for p in art.iterdir())
+    set_kvcache_num_blocks(art, 48)
+    assert sorted(p.name for p in art.iterdir()) == before

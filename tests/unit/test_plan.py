@@ -19,6 +19,7 @@ from kvroom.plan.kv import (
     kv_heads_per_rank,
     sliding_window_bytes,
 )
+from kvroom.plan.measured import MeasuredTerms
 from kvroom.plan.weights import weight_bytes
 
 SMOLLM2_135M_PARAMS = (
@@ -403,6 +404,8 @@ def test_render_table_has_every_figure(tiny_plan: MemoryPlan) -> None:
         "chosen kvcache_num_blocks (estimate)": "10",
         "KV pool": "40 tokens, 10.00 KiB",
         "max concurrency at max_seq_len": "1",
+        "total at peak: kvroom run / LLM": "92.06 KiB",  # 40_000 + 44_032 + 10 x 1024
+        "total at peak: kvroom serve": "92.06 KiB",  # the formula has no server term
     }
 
 
@@ -465,3 +468,57 @@ def test_tp2_fits_each_rank_into_its_own_device(make_spec, make_config) -> None:
     budget = int(memory * cfg.kvcache_memory_fraction) - plan.weight_bytes - plan.runtime_bytes
     assert plan.num_fit_blocks == budget // (all_ranks_block // 2)
     assert plan.kv_bytes == plan.num_blocks * (all_ranks_block // 2)
+
+
+# -- measured terms -------------------------------------------------------------------------------
+def _terms(**overrides: int) -> MeasuredTerms:
+    values = dict(
+        method="cpu-rss",
+        process_bytes=20_000,
+        tokenizer_bytes=3_000,
+        weights_bytes=41_000,
+        load_transient_bytes=500,
+        engine_bytes=100,
+        warmup_bytes=2_000,
+        step_peak_bytes={"decode": 700, "prefill": 1_500, "prefill_many": 900, "mixed": 1_200},
+        server_bytes=4_000,
+    )
+    values.update(overrides)
+    return MeasuredTerms(**values)  # type: ignore[arg-type]
+
+
+def test_measured_terms_sum_to_the_totals(tiny_plan: MemoryPlan) -> None:
+    terms = _terms()
+    assert terms.step_bytes == 1_500 and terms.peak_step_shape == "prefill"
+    assert terms.fixed_bytes(serve=False) == 20_000 + 3_000 + 41_000 + 100 + 2_000 + 1_500
+    assert terms.load_peak_bytes == 20_000 + 3_000 + 41_000 + 500
+    plan = tiny_plan.with_measured(terms)
+    fixed_serve = 67_600 + 4_000
+    assert plan.runtime_bytes == fixed_serve - plan.weight_bytes  # the fit leaves room to serve
+    assert plan.kv_budget_bytes == 95_295 - fixed_serve  # = 23_695 -> 23 blocks, capped at 16
+    assert plan.num_blocks == 16
+    assert plan.total_bytes == 67_600 + 16 * 1024
+    assert plan.serve_total_bytes == plan.total_bytes + 4_000
+    assert plan.formula_total_bytes == 40_000 + 44_032 + 16 * 1024
+
+
+def test_load_peak_counts_when_it_is_the_larger(tiny_plan: MemoryPlan) -> None:
+    plan = tiny_plan.with_measured(_terms(load_transient_bytes=90_000))
+    assert plan.total_bytes == 20_000 + 3_000 + 41_000 + 90_000
+
+
+def test_measured_plan_json_round_trip_and_total(tiny_plan: MemoryPlan) -> None:
+    plan = tiny_plan.with_measured(_terms())
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["total_bytes"] == plan.total_bytes
+    assert data["serve_total_bytes"] == plan.serve_total_bytes
+    assert data["measured"]["step_peak_bytes"]["prefill"] == 1_500
+    assert MemoryPlan.from_dict(data) == plan
+
+
+def test_render_terms_side_by_side(tiny_plan: MemoryPlan) -> None:
+    formula_only = tiny_plan.render_terms().splitlines()
+    assert formula_only[0].split() == ["non-KV", "memory", "at", "peak", "formula", "measured"]
+    text = tiny_plan.with_measured(_terms()).render_terms()
+    assert "step peak: prefill" in text and "server (kvroom serve only)" in text
+    assert "formula vs measured" in text

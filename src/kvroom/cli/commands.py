@@ -16,8 +16,12 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
 
-    p = sub.add_parser("plan", help="print the memory plan of a model, writing nothing")
-    p.add_argument("model", help="HF folder, .gguf file, or built-in name (smollm2-135m)")
+    p = sub.add_parser("plan", help="print the memory plan of a model or artifact, writing nothing")
+    p.add_argument(
+        "model",
+        help="HF folder, .gguf file, built-in name (smollm2-135m), or an artifact folder "
+        "(its measured terms and the formula, side by side)",
+    )
     add_config_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
@@ -50,6 +54,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from kvroom.artifact.layout import config_path
+
+    if config_path(args.model).is_file():
+        return _plan_artifact(args)
     from kvroom.compile import plan_model
 
     planned = plan_model(args.model, config_overrides(args))
@@ -66,6 +74,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{plan.num_blocks} blocks x {plan.kvcache_block_size} tokens = {plan.num_tokens} tokens"
         f" = {plan.max_concurrency} full-length sequences"
     )
+    return 0
+
+
+def _plan_artifact(args: argparse.Namespace) -> int:
+    """An artifact's recorded plan (re-fitted when a memory flag is given), with the
+    measured terms and the formula side by side."""
+    from kvroom.artifact.layout import read_info
+    from kvroom.artifact.resize import replan
+
+    info = read_info(args.model)
+    knobs = config_overrides(args)
+    memory = {k: knobs.get(k) for k in ("device_memory", "kvcache_reserve_memory")}
+    memory["kvcache_memory_fraction"] = knobs.get("kvcache_memory_fraction")
+    plan = replan(info, knobs.get("kvcache_num_blocks"), source="override", **memory)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print(f"artifact: {args.model} ({info.model.get('architecture')})")
+    print(plan.render_table())
+    print()
+    print(plan.render_terms())
     return 0
 
 

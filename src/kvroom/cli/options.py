@@ -85,3 +85,16 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields given on the command line."""
     names = {f.name for f in dataclasses.fields(DecoderOnlyConfig)}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def add_startup_flags(parser: argparse.ArgumentParser) -> None:
+    """The start-up override: resize the pool for this start without touching the artifact."""
+    add_config_flags(parser, only=RUNTIME_FIELDS, types={"kvcache_num_blocks": str})
+    parser.add_argument("--device", default=None, help="run on this device instead (cpu, cuda)")
+
+
+def startup_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = config_overrides(args)
+    if getattr(args, "device", None):
+        overrides["device"] = args.device
+    return overrides

@@ -6,20 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from kvroom.cli.options import RUNTIME_FIELDS, add_config_flags, config_overrides
-
-
-def add_startup_flags(parser: argparse.ArgumentParser) -> None:
-    """The start-up override: resize the pool for this start without touching the artifact."""
-    add_config_flags(parser, only=RUNTIME_FIELDS, types={"kvcache_num_blocks": str})
-    parser.add_argument("--device", default=None, help="run on this device instead (cpu, cuda)")
-
-
-def startup_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides = config_overrides(args)
-    if getattr(args, "device", None):
-        overrides["device"] = args.device
-    return overrides
+from kvroom.cli.options import add_startup_flags, startup_overrides
+from kvroom.cli.serve_command import add_serve_command
+from kvroom.cli.vllm_command import add_vllm_args_command
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,11 +37,7 @@ def add_runtime_commands(sub: Any) -> None:
     add_sampling_flags(p)
     add_startup_flags(p)
     p.set_defaults(func=cmd_run)
-    from kvroom.cli.serve_command import add_serve_command  # serve_command imports this module
-
     add_serve_command(sub)
-    from kvroom.cli.vllm_command import add_vllm_args_command  # imports this module too
-
     add_vllm_args_command(sub)
 
     p = sub.add_parser("bench", help="throughput against HF transformers on the same artifact")

@@ -3,7 +3,8 @@
 Start-up, in order: bind the address (a taken port fails in a second, before the model loads),
 size the pool by the start-up override policy (``LLM(path, kvcache_num_blocks=...)``, the same
 ``replan`` as ``run`` and ``set``), write the chosen size back only with ``--persist`` (the
-atomic ``set_kvcache_num_blocks``), print the KV line and the address, serve until SIGTERM.
+atomic ``set_kvcache_num_blocks``), log the KV line (once, as the runtime loads), print the
+address, serve until SIGTERM.
 
 ``--engine vllm`` plans the same way, then hands the pool to ``vllm serve`` and checks vLLM's
 own KV line against the plan (``cli/vllm_command.serve_with_vllm``).
@@ -17,7 +18,7 @@ import sys
 from typing import Any
 
 from kvroom.cli.live_pool_options import add_live_pool_flags, open_llm
-from kvroom.cli.runtime_commands import add_startup_flags, startup_overrides
+from kvroom.cli.options import add_startup_flags, startup_overrides
 from kvroom.cli.vllm_command import add_vllm_serve_flags, launch_for, serve_with_vllm
 from kvroom.errors import ConfigError
 
@@ -104,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             **_http_options(args),
         )
         host, port = sock.getsockname()[:2]
-        _say(f"{plan.summary_line()} ({note})")
+        _say(f"kvcache_num_blocks={plan.num_blocks} ({note})")  # the KV line was logged at load
         _say(f"serving {args.artifact} on {_url(host, port)} (OpenAI API under /v1)")
         serve(app, sock, access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
     finally:

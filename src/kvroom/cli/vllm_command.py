@@ -12,8 +12,7 @@ import shlex
 import sys
 from typing import Any
 
-from kvroom.cli.options import config_overrides
-from kvroom.cli.runtime_commands import add_startup_flags
+from kvroom.cli.options import add_startup_flags, config_overrides
 from kvroom.integrations.vllm import POOLS, VllmLaunch, cli_flags, prepare
 from kvroom.integrations.vllm_serve import child_env, display, run_vllm_serve, serve_command
 

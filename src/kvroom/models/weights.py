@@ -16,78 +16,48 @@ reads them, applies the load-time transforms, and hands the result to
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from kvroom.errors import ModelSourceError
+from kvroom import heap
+from kvroom.models.checkpoint import Checkpoint
 from kvroom.models.decoder import DecoderModel
 from kvroom.models.layers import rope_permutation
-
-
-class _Checkpoint:
-    """Lazy view over every ``*.safetensors`` file of a folder (tensors read on demand)."""
-
-    def __init__(self, folder: Path, device: torch.device) -> None:
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise ModelSourceError(f"{folder}: no *.safetensors weights found")
-        self._handles = [safe_open(str(f), framework="pt", device=str(device)) for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise ModelSourceError(f"checkpoint has no tensor {name!r}")
-        return self._where[name].get_tensor(name)
 
 
 def load_weights(model: DecoderModel, folder: str | Path) -> None:
     """Fill ``model`` (built on meta) from the HF safetensors in ``folder``, then ``post_load``.
 
+    The load's resident peak is its end state: tensors are read into memory of their own
+    (``Checkpoint``, no file mapping), and under ``heap.loading()`` every transient copy
+    (fusing, folding, the dense weight a packed one replaces) is returned when freed.
+
     Raises:
         ModelSourceError: no safetensors, or a tensor the architecture needs is missing.
     """
-    ckpt = _Checkpoint(Path(folder), model.device)
-    custom = getattr(model, "load_tensor", None)  # a model whose layers differ in shape
-    state = {
-        name: custom(ckpt.get, name) if custom else _load_one(model, ckpt, name)
-        for name in model.state_dict()
-    }
-    model.load_state_dict(state, strict=True, assign=True)
-    del state, ckpt  # post_load frees the dense weights it packs only once nothing else holds them
-    model.requires_grad_(False)
-    load_extra = getattr(model, "load_extra", None)  # modules outside the decoder (vision)
-    if load_extra is not None:
-        load_extra(Path(folder))
-    model.post_load()
-    if model.device.type == "cpu":
-        release_free_heap()
+    with heap.loading():
+        with Checkpoint(Path(folder), model.device) as ckpt:
+            custom = getattr(model, "load_tensor", None)  # a model whose layers differ in shape
+            state = {
+                name: custom(ckpt.get, name) if custom else _load_one(model, ckpt, name)
+                for name in model.state_dict()
+            }
+        model.load_state_dict(state, strict=True, assign=True)
+        del state  # post_load frees the dense weights it packs only once nothing else holds them
+        model.requires_grad_(False)
+        load_extra = getattr(model, "load_extra", None)  # modules outside the decoder (vision)
+        if load_extra is not None:
+            load_extra(Path(folder))
+        model.post_load()
 
 
-def release_free_heap() -> None:
-    """Hand the heap memory that loading freed back to the OS (glibc ``malloc_trim``).
-
-    Loading makes transient copies (fusing, owning, packing); glibc keeps the freed chunks
-    resident for reuse. Measured for SmolLM2 fp32: 421 MB of resident set released, memory the
-    profiling pass would otherwise count as runtime buffers. No-op without glibc.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
-def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor:
+def _load_one(model: DecoderModel, ckpt: Checkpoint, name: str) -> torch.Tensor:
     """Read, fuse and transform the HF tensors behind one kvroom parameter.
 
-    The result owns its bytes: a tensor read from safetensors on CPU is a view of the file's
-    mmap, and kept as a parameter (or wrapped by a oneDNN-packed weight that aliases its
-    source) it pins the file's pages in the resident set next to the runtime's own copy
-    (measured: 527 MB of extra RSS for SmolLM2 fp32).
+    ``Checkpoint`` reads into fresh tensors (no file mapping), so the result owns its bytes,
+    and loading never holds the file's pages resident next to the weights (with a mapped
+    file it did: 527 MB of extra RSS for SmolLM2 fp32).
     """
     prefix, param = "", name
     if name.startswith("layers."):
@@ -97,7 +67,6 @@ def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor
     else:
         sources = [model.hf_top_names()[name]]
     parts = [ckpt.get(s) for s in sources]
-    read = [p.untyped_storage().data_ptr() for p in parts]
     head_dim = model.spec.head_dim
     if param in ("qkv", "qkv_bias"):
         q, k, v = parts
@@ -112,8 +81,6 @@ def _load_one(model: DecoderModel, ckpt: _Checkpoint, name: str) -> torch.Tensor
             model, ckpt.get(prefix + model.hf_folded_norms[param])
         )
     tensor = tensor.to(model.dtype).contiguous()
-    if tensor.untyped_storage().data_ptr() in read:
-        tensor = tensor.clone()  # own the bytes (see the docstring)
     return tensor.t() if param in _TRANSPOSED else tensor
 
 

@@ -4,24 +4,32 @@ Budget, all per rank::
 
     usable    = device_memory x kvcache_memory_fraction - kvcache_reserve_memory
     kv_budget = usable - weights - runtime (measured if known, else the formula) - sliding_window
+    total     = what the process holds at its peak (``total_bytes``)
     fit       = floor(kv_budget / (kv_bytes_per_block / tp))     (exact: integer division)
     estimate  = min(num_full_blocks, fit)
 
 ``fit`` may be below ``num_min_blocks``; deciding that this is an error is the policy's job
 (``kvroom.adjust``), so a plan can still be printed for a budget that does not fit.
+
+With measured terms (``plan.measured``, from compile's profiling pass), "weights + runtime" is
+everything a ``kvroom serve`` process holds at its run peak besides the KV pool, so the pool
+that fits leaves room for the server too; ``total_bytes`` is the peak of a process running
+the artifact (``kvroom run``, ``kvroom.LLM``), ``serve_total_bytes`` that of ``kvroom serve``.
+Without them, both are the formula's ``weights + runtime buffers + KV``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kvroom.config import DecoderOnlyConfig
 from kvroom.device import DeviceMemory
 from kvroom.model_spec import ModelSpec
 from kvroom.plan.buffers import runtime_buffer_bytes
 from kvroom.plan.kv import describe_kv_groups, kv_bytes_per_block, sliding_window_bytes
+from kvroom.plan.measured import MeasuredTerms
 from kvroom.plan.weights import weight_bytes
 from kvroom.units import format_bytes, mib
 
@@ -59,6 +67,8 @@ class MemoryPlan:
     """The pool size chosen (estimate, adjuster, manual value, or a later set/override)."""
     num_blocks_source: str
     """estimate | adjuster | manual | set | auto | override."""
+    measured: MeasuredTerms | None = None
+    """The profiling pass's terms (``kvroom.plan.measured``); None: the formula is used."""
     vision_bytes: int = 0
     """Vision encoder peak + encoder cache (``plan.vision``); 0 for text models."""
     kv_groups: tuple[str, ...] = ()
@@ -74,7 +84,11 @@ class MemoryPlan:
 
     @property
     def runtime_bytes(self) -> int:
-        """Runtime memory the fit subtracts: measured when known, else the formula."""
+        """Runtime memory the fit subtracts besides the weights: from the measured terms
+        (everything of a serving process but weights and KV), else the older single measured
+        figure, else the formula."""
+        if self.measured is not None:
+            return self.measured.fixed_bytes(serve=True) - self.weight_bytes
         if self.measured_runtime_bytes is not None:
             return self.measured_runtime_bytes
         return self.runtime_buffer_bytes
@@ -110,8 +124,23 @@ class MemoryPlan:
         return min(self.batch_size, self.num_blocks // self.num_min_blocks)
 
     @property
+    def formula_total_bytes(self) -> int:
+        """weights + runtime buffers (formula) + KV: the estimate without profiling."""
+        return self.weight_bytes + self.runtime_buffer_bytes + self.kv_bytes
+
+    @property
     def total_bytes(self) -> int:
+        """The peak of a process running the artifact (``kvroom run``, ``kvroom.LLM``)."""
+        if self.measured is not None:
+            return self.measured.total_bytes(self.kv_bytes, serve=False) + self.vision_bytes
         return self.weight_bytes + self.runtime_bytes + self.kv_bytes
+
+    @property
+    def serve_total_bytes(self) -> int:
+        """The peak of ``kvroom serve`` (``total_bytes`` plus the server's own memory)."""
+        if self.measured is not None:
+            return self.measured.total_bytes(self.kv_bytes, serve=True) + self.vision_bytes
+        return self.total_bytes
 
     # -- changes ------------------------------------------------------------------------------
     def with_num_blocks(self, num_blocks: int, source: str) -> MemoryPlan:
@@ -150,7 +179,13 @@ class MemoryPlan:
 
     def with_measured_runtime(self, measured_bytes: int) -> MemoryPlan:
         """Re-fit with a measured runtime figure in place of the formula."""
-        plan = dataclasses.replace(self, measured_runtime_bytes=measured_bytes)
+        return self._refit_same(dataclasses.replace(self, measured_runtime_bytes=measured_bytes))
+
+    def with_measured(self, terms: MeasuredTerms) -> MemoryPlan:
+        """Re-fit with the profiling pass's terms in place of the formula."""
+        return self._refit_same(dataclasses.replace(self, measured=terms))
+
+    def _refit_same(self, plan: MemoryPlan) -> MemoryPlan:
         return plan.refit(
             DeviceMemory(self.device_memory_bytes, self.device_memory_source),
             kvcache_memory_fraction=self.kvcache_memory_fraction,
@@ -171,7 +206,7 @@ class MemoryPlan:
     def render_table(self) -> str:
         """The breakdown, one figure per line, as printed by ``kvroom plan``."""
         fraction = self.kvcache_memory_fraction
-        measured = self.measured_runtime_bytes
+        measured = self.runtime_bytes if self.measured else self.measured_runtime_bytes
         rows = [
             (
                 f"device memory ({self.device}, {self.device_memory_source})",
@@ -199,6 +234,8 @@ class MemoryPlan:
             (f"chosen kvcache_num_blocks ({self.num_blocks_source})", str(self.num_blocks)),
             ("KV pool", f"{self.num_tokens} tokens, {format_bytes(self.kv_bytes)}"),
             ("max concurrency at max_seq_len", str(self.max_concurrency)),
+            ("total at peak: kvroom run / LLM", format_bytes(self.total_bytes)),
+            ("total at peak: kvroom serve", format_bytes(self.serve_total_bytes)),
         ]
         if self.vision_bytes:
             budget = rows.index(("= KV budget", format_bytes(self.kv_budget_bytes)))
@@ -219,18 +256,60 @@ class MemoryPlan:
             return []
         return [(f"KV pool tensor {i + 1}", g) for i, g in enumerate(groups)]
 
+    def render_terms(self) -> str:
+        """Non-KV memory at the peak, the formula and the measured terms side by side."""
+        m = self.measured
+        rows: list[tuple[str, str, str]] = [
+            ("weights (parameters x dtype bytes)", format_bytes(self.weight_bytes), "-"),
+            ("runtime buffers (formula)", format_bytes(self.runtime_buffer_bytes), "-"),
+        ]
+        rows += [(label, "-", format_bytes(v)) for label, v in (m.rows() if m else [])]
+        fixed = m.fixed_bytes(serve=False) if m else None
+        rows.append(
+            (
+                "= besides KV, at the run peak",
+                format_bytes(self.weight_bytes + self.runtime_buffer_bytes),
+                "-" if fixed is None else format_bytes(fixed),
+            )
+        )
+        rows.append(("+ KV pool", format_bytes(self.kv_bytes), format_bytes(self.kv_bytes)))
+        rows.append(
+            (
+                "= total at peak (kvroom run / LLM)",
+                format_bytes(self.formula_total_bytes),
+                format_bytes(self.total_bytes) if m else "-",
+            )
+        )
+        if m:
+            error = 100.0 * (self.formula_total_bytes - self.total_bytes) / self.total_bytes
+            rows.append(("formula vs measured", f"{error:+.1f}%", ""))
+        width = max(len(r[0]) for r in rows)
+        head = f"{'non-KV memory at peak':<{width}}  {'formula':>12}  {'measured':>12}"
+        return "\n".join([head] + [f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows])
+
+    DERIVED_KEYS: ClassVar[tuple[str, ...]] = (
+        "total_bytes",
+        "serve_total_bytes",
+        "formula_total_bytes",
+        "kv_bytes",
+    )
+    """Written by ``to_dict`` for readers of the JSON; recomputed, never read back."""
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (sequences as lists)."""
-        doc = dataclasses.asdict(self)
-        doc["kv_groups"] = list(self.kv_groups)
-        return doc
+        """JSON-ready fields (sequences as lists) and the derived totals."""
+        data = dataclasses.asdict(self)
+        data["kv_groups"] = list(self.kv_groups)
+        data.update({key: getattr(self, key) for key in self.DERIVED_KEYS})
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
-        fields = dict(data)
-        if "kv_groups" in fields:
-            fields["kv_groups"] = tuple(fields["kv_groups"])
-        return cls(**fields)
+        data = {k: v for k, v in data.items() if k not in cls.DERIVED_KEYS}
+        if isinstance(data.get("measured"), dict):
+            data["measured"] = MeasuredTerms.from_dict(data["measured"])
+        if "kv_groups" in data:
+            data["kv_groups"] = tuple(data["kv_groups"])
+        return cls(**data)
 
 
 def compute_plan(

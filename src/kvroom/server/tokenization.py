@@ -3,8 +3,8 @@
 Tokenizing a long text holds the calling thread for a while (a 10 MB prompt: seconds), so on
 the event loop it would stall every other request, ``/health`` included. vLLM's server runs
 its tokenizer in a worker pool for the same reason. A fast tokenizer is not safe to use from
-two threads at once, so each worker thread deep-copies its own on first use; the event loop
-keeps one copy for the cheap single-token decodes of logprobs (cached).
+two threads at once, so each worker thread deep-copies its own when the pool starts; the event
+loop keeps one copy for the cheap single-token decodes of logprobs (cached).
 
 Before tokenizing, a text that cannot fit is refused outright: no token covers more than
 ``max_token_chars`` characters, so a text longer than ``max_seq_len * max_token_chars``
@@ -31,10 +31,23 @@ class TokenizerPool:
         self._template = copy.deepcopy(tokenizer)
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="kvroom-tokenizer")
+        self._start_workers(num_workers)
         self.loop_tokenizer = copy.deepcopy(tokenizer)
         """The event loop's own copy: chat-template checks and single-token decodes."""
         self.max_token_chars = _max_token_chars(tokenizer)
         """Upper bound on the characters one token stands for."""
+
+    def _start_workers(self, num_workers: int) -> None:
+        """Start every worker with its tokenizer copy now: the server's memory is then all
+        there when it starts listening (and counted by the plan's profile), not later."""
+        everyone = threading.Barrier(num_workers)
+
+        def start() -> None:
+            self._worker_tokenizer()
+            everyone.wait()  # holds each thread until all have started
+
+        for done in [self._executor.submit(start) for _ in range(num_workers)]:
+            done.result()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -65,10 +78,13 @@ class TokenizerPool:
         return await loop.run_in_executor(self._executor, self._call, fn, args)
 
     def _call(self, fn: Any, args: tuple[Any, ...]) -> Any:
+        return fn(self._worker_tokenizer(), *args)
+
+    def _worker_tokenizer(self) -> Any:
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self._template)
-        return fn(tokenizer, *args)
+        return tokenizer
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
