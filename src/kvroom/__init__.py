@@ -3,7 +3,8 @@
 Public API (imported lazily, so ``import kvroom`` stays light)::
 
     DecoderOnlyConfig, MemoryPlan, plan_model, compile, get_kvcache_num_blocks,
-    set_kvcache_num_blocks, read_info, LLM, SamplingParams, KvroomModelForCausalLM
+    set_kvcache_num_blocks, read_info, LLM, SamplingParams, StructuredOutputsParams,
+    KvroomModelForCausalLM
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _EXPORTS = {
     "read_info": "kvroom.artifact.layout",
     "LLM": "kvroom.llm",
     "SamplingParams": "kvroom.engine.sampling",
+    "StructuredOutputsParams": "kvroom.engine.structured_params",
     "KvroomModelForCausalLM": "kvroom.modeling",
 }
 

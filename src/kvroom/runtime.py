@@ -16,6 +16,7 @@ from kvroom import heap
 from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
 from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine
+from kvroom.engine.grammar import GrammarCompiler
 from kvroom.engine.kv_cache import KVCachePool
 from kvroom.engine.model_runner import ModelRunner, load_model
 from kvroom.engine.scheduler import Scheduler
@@ -95,7 +96,11 @@ def assemble_runtime(
         device=device,
         max_num_blocks=max_num_blocks or max(plan.num_full_blocks, plan.num_blocks),
     )
-    runner = ModelRunner(model, pool, spec, block_size=cfg.kvcache_block_size, device=device)
+    eos_ids = _eos_ids(info.folder, tokenizer)
+    grammars = None if tokenizer is None else GrammarCompiler(tokenizer, spec.vocab_size, eos_ids)
+    runner = ModelRunner(
+        model, pool, spec, block_size=cfg.kvcache_block_size, device=device, grammars=grammars
+    )
     blocks = BlockManager(plan.num_blocks, cfg.kvcache_block_size, num_sliding_slots=num_slots)
     scheduler = Scheduler(
         blocks,
@@ -106,9 +111,10 @@ def assemble_runtime(
     engine = LLMEngine(
         scheduler,
         runner,
-        eos_token_ids=_eos_ids(info.folder, tokenizer),
+        eos_token_ids=eos_ids,
         detokenize=_detokenizer(tokenizer),
         pool=pool,
+        grammars=grammars,
     )
     logger.info(plan.summary_line())
     return Runtime(info, plan, spec, pool, runner, engine, tokenizer)

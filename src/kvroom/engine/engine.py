@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvroom.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from kvroom.engine.grammar import GrammarCompiler
 from kvroom.engine.output import SchedulerOutput, StepResult, TokenLogprobs
 from kvroom.engine.pool_migration import PoolResize
 from kvroom.engine.sampling import SamplingParams
@@ -130,6 +131,7 @@ class LLMEngine:
         eos_token_ids: set[int],
         detokenize: Callable[[list[int]], str] | None,
         pool: ResizablePool | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """
         Args:
@@ -138,6 +140,8 @@ class LLMEngine:
             eos_token_ids: the model's end-of-sequence ids.
             detokenize: token ids -> text; needed for ``text`` and for stop strings.
             pool: the KV pool, for ``resize_kv_cache`` (None: only the block manager resizes).
+            grammars: compiles ``params.structured_outputs`` (the runner's, so its cache is
+                warm when the runner builds the matcher); None refuses constrained requests.
         """
         self.scheduler = scheduler
         self.runner = runner
@@ -145,6 +149,7 @@ class LLMEngine:
         self.num_kv_resizes = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
+        self.grammars = grammars
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
@@ -177,6 +182,8 @@ class LLMEngine:
                 f"request {request_id!r}: stop strings {params.stop!r} need a detokenizer; "
                 "pass detokenize= to LLMEngine or drop SamplingParams.stop"
             )
+        if params.structured_outputs is not None:
+            self._check_grammar(request_id, params)
         seq = Sequence(
             seq_id, tuple(prompt_token_ids), params, self.eos_token_ids, multimodal=multimodal
         )
@@ -189,6 +196,21 @@ class LLMEngine:
         self._requests[request_id] = request
         self._by_seq[seq_id] = request
         return request_id
+
+    def _check_grammar(self, request_id: str, params: SamplingParams) -> None:
+        """Compile the request's constraint now (cached): a bad one is refused up front.
+
+        Raises:
+            StructuredOutputError: the schema, regex or grammar does not compile.
+            AdmissionError: this engine has no grammar compiler (no tokenizer).
+        """
+        if self.grammars is None:
+            raise AdmissionError(
+                f"request {request_id!r}: structured outputs need the model's tokenizer; "
+                "pass grammars= to LLMEngine (kvroom.LLM and kvroom serve do)"
+            )
+        assert params.structured_outputs is not None
+        self.grammars.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in any state; its final output comes from the next ``step()``.

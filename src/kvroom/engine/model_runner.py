@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
+from kvroom.engine.grammar import GrammarCompiler
 from kvroom.engine.kv_cache import KVCachePool
 from kvroom.engine.output import ScheduledSeq, SchedulerOutput, StepResult
 from kvroom.engine.prompt_logprobs import Found, PromptLogprobs, wants_prompt_logprobs
 from kvroom.engine.sampler import Sampler
+from kvroom.engine.structured import StepMasks, StructuredOutputs
 from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models import build_model
@@ -36,6 +38,7 @@ class ModelRunner:
         *,
         block_size: int,
         device: torch.device | str,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """Args:
         model: a model built by ``load_model`` (weights on ``device``).
@@ -43,6 +46,7 @@ class ModelRunner:
         spec: the model's shapes.
         block_size: tokens per block of the full-attention pool.
         device: where the model and the pool live.
+        grammars: the engine's grammar compiler, for structured outputs (None: none served).
         """
         assert pool.block_size == block_size, "pool and runner disagree on block_size"
         self.model = model
@@ -52,6 +56,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(self.device)
         self.prompt_logprobs = PromptLogprobs()
+        self.structured = StructuredOutputs(grammars) if grammars is not None else None
         self._found_prompt_logprobs: Found = {}
         """Prompt logprobs of the forward in progress (set by ``compute_logits``)."""
 
@@ -63,11 +68,16 @@ class ModelRunner:
             with the logprobs that the sequences' params ask for.
         """
         self.sampler.history.record(output.seqs)
+        masks = self._begin_masks(output)
         seqs, logits = self.compute_logits(output)
         prompt_logprobs, self._found_prompt_logprobs = self._found_prompt_logprobs, {}
         if not seqs:
             return StepResult({}, prompt_logprobs=prompt_logprobs)
+        if masks is not None:
+            self._structured().apply(masks, logits)
         tokens, logprobs = self.sampler.sample_step(logits, seqs)
+        if masks is not None:
+            self._structured().accept(masks, tokens)
         self.pool.start_populating()
         sampled = {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
         return StepResult(sampled, logprobs, prompt_logprobs)
@@ -101,7 +111,7 @@ class ModelRunner:
             self._found_prompt_logprobs = self.prompt_logprobs.compute(
                 seqs, hidden, self.model.compute_logits
             )
-        sampled = [s for s in seqs if s.needs_sample]
+        sampled = sampling_seqs(output)
         if not sampled:
             return [], hidden.new_empty(0, self.spec.vocab_size, dtype=torch.float32)
         if len(sample_rows) < hidden.shape[0]:
@@ -109,9 +119,26 @@ class ModelRunner:
         return sampled, self.model.compute_logits(hidden)
 
     def release(self, seq_id: int) -> None:
-        """Drop per-sequence runner state (the sampling generator) of a finished sequence."""
+        """Drop per-sequence runner state (generator, grammar matcher) of a finished sequence."""
         self.sampler.release(seq_id)
         self.prompt_logprobs.release(seq_id)
+        if self.structured is not None:
+            self.structured.release(seq_id)
+
+    def _begin_masks(self, output: SchedulerOutput) -> StepMasks | None:
+        """Start the grammar masks of the step's constrained sequences (before the forward)."""
+        if self.structured is None:
+            return None
+        return self.structured.begin(sampling_seqs(output))
+
+    def _structured(self) -> StructuredOutputs:
+        assert self.structured is not None
+        return self.structured
+
+
+def sampling_seqs(output: SchedulerOutput) -> list[ScheduledSeq]:
+    """The sequences that sample this step, in the order of their logits rows."""
+    return [s for s in _decodes_first(output.seqs) if s.needs_sample]
 
 
 def _decodes_first(seqs: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from kvroom.engine.structured_params import StructuredOutputsParams
 from kvroom.errors import ConfigError
 
 MAX_LOGPROBS = 20
@@ -65,6 +66,10 @@ class SamplingParams:
     needs logits at every prompt position, so only requests that ask pay for it."""
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (``engine/grammar.py``
+    compiles it, ``engine/structured.py`` masks the logits); the grammar decides where the
+    output ends, so neither ``min_tokens`` nor ``ignore_eos`` may be set with it."""
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -78,6 +83,7 @@ class SamplingParams:
         self._validate_sampling()
         self._validate_lengths()
         self._validate_reporting()
+        self._validate_structured()
 
     def _validate_sampling(self) -> None:
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
@@ -128,6 +134,24 @@ class SamplingParams:
                 name,
                 value,
                 expected,
+            )
+
+    def _validate_structured(self) -> None:
+        so = self.structured_outputs
+        _check(
+            so is None or isinstance(so, StructuredOutputsParams),
+            "structured_outputs",
+            so,
+            "None or a StructuredOutputsParams",
+        )
+        if so is None:
+            return
+        for name in ("min_tokens", "ignore_eos"):
+            _check(
+                not getattr(self, name),
+                name,
+                getattr(self, name),
+                "unset with structured_outputs (the grammar decides where the output ends)",
             )
 
     @property

@@ -30,6 +30,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from kvroom.engine.elastic import ElasticPolicy
+from kvroom.engine.structured_params import StructuredOutputsParams
 from kvroom.llm import LLM
 from kvroom.server.admin import LivePool, install_admin, start_elastic
 from kvroom.server.async_engine import AsyncEngine
@@ -48,6 +49,7 @@ from kvroom.server.prompts import (
 from kvroom.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvroom.server.responses import ModelCard, ModelList
 from kvroom.server.serving import Job, Prompt, ServerState, json_response, serve_job
+from kvroom.server.structured import check_compiles, requested_constraint
 from kvroom.server.tokenization import TokenizerPool
 from kvroom.server.tokenize import router as tokenize_router
 
@@ -91,6 +93,7 @@ def create_app(
         max_num_seqs=cfg.batch_size,
         block_size=cfg.kvcache_block_size,
         images=ChatImages(model, media) if hasattr(model, "prepare_prompt") else None,
+        grammars=runtime.engine.grammars,
     )
 
     @contextlib.asynccontextmanager
@@ -166,6 +169,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         "prompt",
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured=await _constraint(s, body),
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     fmt = CompletionFormat(request_id, s.model_name, s.tokenizers.token_text, body.logprobs)
@@ -181,6 +185,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise ApiError(
             400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
         )
+    structured = await _constraint(s, body)
     prompt_ids, multimodal = await _chat_prompt(s, body)
     prompts = [Prompt(prompt_ids, "")]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -192,6 +197,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         "messages",
         logprobs=logprobs,
         prompt_logprobs=body.prompt_logprobs,
+        structured=structured,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, s.model_name, s.tokenizers.token_text, logprobs)
@@ -211,8 +217,18 @@ def check_request(s: ServerState, body: SamplingBody) -> None:
     unsupported = body.unsupported_params()
     if unsupported:
         raise unsupported_params_error(
-            unsupported, "kvroom does not serve tools, response formats or suffix: leave them unset"
+            unsupported, "kvroom does not serve tools or suffix: leave them unset"
         )
+
+
+async def _constraint(s: ServerState, body: SamplingBody) -> StructuredOutputsParams | None:
+    """The body's output constraint, compiled (a 400 naming the field if it does not)."""
+    found = requested_constraint(body)
+    if found is None:
+        return None
+    field, params = found
+    await check_compiles(s.grammars, field, params)
+    return params
 
 
 async def _chat_prompt(s: ServerState, body: ChatCompletionRequest) -> tuple[list[int], Any]:

@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 
 from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.structured_params import StructuredOutputsParams
 from kvroom.errors import ConfigError
 from kvroom.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvroom.server.serving import Prompt, ServerState
@@ -91,8 +92,10 @@ def sampling_params(
     *,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's params for ``body``; ``max_tokens`` None means "up to max_seq_len"."""
+    """The engine's params for ``body``; ``max_tokens`` None means "up to max_seq_len";
+    ``structured``: the output's constraint (``server/structured.py``)."""
     if max_tokens is None:
         longest = max(len(p.token_ids) for p in prompts)
         max_tokens = s.max_seq_len - longest
@@ -128,6 +131,7 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=structured,
         )
     except ConfigError as exc:
         field = str(exc).split(":")[0].removeprefix("SamplingParams.")

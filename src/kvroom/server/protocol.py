@@ -54,6 +54,37 @@ class StreamOptions(_Request):
     """Send one more chunk before ``[DONE]`` with ``usage`` and no choices."""
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON schema; absent means any JSON object."""
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` field: exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    """False allows any whitespace in JSON (kvroom's default is compact JSON)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
 class _SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -96,6 +127,15 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     """Accepted and ignored, as OpenAI's end-user id."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's ``json_object`` / ``json_schema`` (``text``: unconstrained)."""
+    structured_outputs: StructuredOutputsRequest | None = None
+    """vLLM extension: ``json``, ``regex``, ``choice`` or ``grammar``."""
+    guided_json: str | dict[str, Any] | None = None
+    """vLLM's older names for ``structured_outputs`` fields."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -175,7 +215,6 @@ class ChatCompletionRequest(_SamplingRequest):
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "parallel_tool_calls": (None,),
-        "response_format": (None,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -189,7 +228,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -59,6 +59,8 @@ class ServerState:
     """Tokens per KV block, to tell whether ``n`` sequences could ever fit in the pool."""
     images: Any = None
     """``images.ChatImages`` when the model takes images, else None."""
+    grammars: Any = None
+    """The engine's ``GrammarCompiler`` (structured outputs), or None without a tokenizer."""
 
 
 @dataclass
