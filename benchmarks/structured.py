@@ -6,8 +6,8 @@ Both runs are greedy over the same prompts in one process (unconstrained first, 
 after the constrained run, to bracket drift). The constrained run's schema keeps the model
 writing (an array of strings) and the unconstrained run ignores EOS, so both runs are
 mostly decode steps of the full batch; tok/s counts the tokens each run really generated.
-The mask figures are ``StructuredOutputs``' own counters: time filling bitmasks (on the worker thread) and the part of it the forward
-pass did not hide (``apply`` waiting).
+The mask figures are ``StructuredOutputs``' own counters: time filling bitmasks (on the
+worker thread) and the part of it the forward pass did not hide (``apply`` waiting).
 """
 
 from __future__ import annotations
