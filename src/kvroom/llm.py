@@ -21,6 +21,7 @@ from kvroom.engine.live_pool import KVCacheState, resolve_resize
 from kvroom.engine.output import TokenLogprobs
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import ConfigError
+from kvroom.models.layers import widens_bf16_weights
 from kvroom.runtime import Runtime, build_runtime
 
 logger = logging.getLogger("kvroom")
@@ -114,6 +115,7 @@ class LLM:
             device_memory=device_memory,
             kvcache_reserve_memory=kvcache_reserve_memory,
             kvcache_memory_fraction=kvcache_memory_fraction,
+            widens_bf16=None if device not in (None, "cpu") else widens_bf16_weights(),
         )
         tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
         self.runtime: Runtime = build_runtime(

@@ -53,6 +53,7 @@ def profile(folder: Path) -> MeasuredTerms:
     import kvroom.llm  # noqa: F401 - the deployment's modules count in process_bytes
     from kvroom import heap
     from kvroom.engine.model_runner import load_model
+    from kvroom.models.layers import packed_bf16_bytes, widens_bf16_weights
     from kvroom.runtime import assemble_runtime
 
     heap.configure()
@@ -78,6 +79,7 @@ def profile(folder: Path) -> MeasuredTerms:
     peaks = _run_steps(stages, runtime, steps, fill, got)
     server = 0 if cuda else _server_bytes(stages, runtime)
     load_over = max(got["tokenizer_over"] - got["weights"], got["weights_over"], 0)
+    bf16 = not cuda and dtype == torch.bfloat16
     return MeasuredTerms(
         method="cuda" if cuda else "cpu-rss",
         process_bytes=got["process"],
@@ -88,6 +90,8 @@ def profile(folder: Path) -> MeasuredTerms:
         warmup_bytes=got["warmup"],
         step_peak_bytes=peaks,
         server_bytes=server,
+        bf16_projection_bytes=packed_bf16_bytes(model) if bf16 else 0,
+        bf16_widened=bf16 and widens_bf16_weights(),
     )
 
 

@@ -522,3 +522,23 @@ def test_render_terms_side_by_side(tiny_plan: MemoryPlan) -> None:
     text = tiny_plan.with_measured(_terms()).render_terms()
     assert "step peak: prefill" in text and "server (kvroom serve only)" in text
     assert "formula vs measured" in text
+
+
+def test_measured_weights_follow_the_cpu_bf16_widening(tiny_plan: MemoryPlan) -> None:
+    widened = _terms(weights_bytes=41_000, bf16_projection_bytes=10_000, bf16_widened=True)
+    packed = widened.on_cpu(False)
+    assert (packed.weights_bytes, packed.bf16_widened) == (31_000, False)
+    assert packed.on_cpu(True) == widened
+    assert widened.on_cpu(True) is widened  # the same CPU kind: unchanged
+    fp32 = _terms()  # nothing to widen: every CPU holds the same bytes
+    assert fp32.on_cpu(True) is fp32 and fp32.on_cpu(False) is fp32
+
+
+def test_plan_on_another_cpu_keeps_its_pool_and_moves_its_totals(tiny_plan: MemoryPlan) -> None:
+    terms = _terms(weights_bytes=41_000, bf16_projection_bytes=10_000, bf16_widened=False)
+    plan = tiny_plan.with_measured(terms).with_num_blocks(8, "set")
+    there = plan.on_cpu(True)
+    assert (there.num_blocks, there.num_blocks_source) == (8, "set")
+    assert there.total_bytes == plan.total_bytes + 10_000
+    assert there.runtime_bytes == plan.runtime_bytes + 10_000  # the estimate leaves room for it
+    assert plan.on_cpu(False) is plan and tiny_plan.on_cpu(True) is tiny_plan

@@ -48,10 +48,17 @@ def startup_plan(
     device_memory: int | str | None = None,
     kvcache_reserve_memory: int | str | None = None,
     kvcache_memory_fraction: float | None = None,
+    widens_bf16: bool | None = None,
 ) -> tuple[ArtifactInfo, MemoryPlan]:
     """The artifact at ``path`` and the plan a start-up override gives it (``replan`` with
-    ``source="override"``); the artifact is not changed."""
+    ``source="override"``); the artifact is not changed.
+
+    ``widens_bf16``: whether this CPU widens bf16 projections to fp32 at load; the measured
+    weights are adjusted to it when the measuring CPU differed (``MeasuredTerms.on_cpu``).
+    """
     info = read_info(path)
+    if widens_bf16 is not None:
+        info = info.with_plan(info.plan.on_cpu(widens_bf16))
     plan = replan(
         info,
         num_blocks,

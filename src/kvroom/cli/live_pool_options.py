@@ -72,10 +72,14 @@ def open_llm(artifact: str, overrides: dict[str, Any], args: argparse.Namespace)
 
 def _estimate(artifact: str, overrides: dict[str, Any]) -> int:
     from kvroom.artifact.resize import startup_plan
+    from kvroom.models.layers import widens_bf16_weights
 
     knobs = ("device_memory", "kvcache_reserve_memory", "kvcache_memory_fraction")
+    here = None if overrides.get("device") not in (None, "cpu") else widens_bf16_weights()
     try:
-        _, plan = startup_plan(artifact, "auto", **{k: overrides.get(k) for k in knobs})
+        _, plan = startup_plan(
+            artifact, "auto", widens_bf16=here, **{k: overrides.get(k) for k in knobs}
+        )
     except MemoryNotEnoughError:
         return 0
     return plan.num_blocks

@@ -73,12 +73,17 @@ class PrefillGroup:
     kv_index: torch.Tensor | None
     """Full: ``[B, n]`` blocks to gather. Sliding: ``[B, L_old]`` flat ring entries of the old
     keys, None when no chunk has any."""
-    mask: torch.Tensor
-    """``[B, 1, max_q_len, L]`` additive causal (and window) mask over the gathered keys."""
+    mask: torch.Tensor | None
+    """``[B, 1, max_q_len, L]`` additive causal (and window) mask over the gathered keys;
+    None for ``fresh`` chunks."""
     write_src: torch.Tensor | None = None
     """Sliding only: step rows whose K/V are stored after attention (last ``min(C, W)``)."""
     write_dst: torch.Tensor | None = None
     """Sliding only: flat ring entries those rows go to."""
+    fresh: bool = False
+    """Full only: every chunk starts at position 0, so its keys are its own K/V: attention
+    reads them from the step (no gather from the pool) under SDPA's causal mask, ``mask``
+    None; a layout that gathers (K=V) gets the same keys from ``kv_index``, top-left causal."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,9 @@ def paged_attention(
         if batch.sliding:
             parts.append(_prefill_sliding(q[td:], kv, flat, pre, scale, softcap))
             _store(flat, pre.write_dst, kv.index_select(0, pre.write_src))
+        elif pre.fresh:
+            keys = _padded(_as_stored(kv[pre.row_start :], flat.dtype), pre)
+            parts.append(_prefill(q[td:], keys, pre, scale, softcap, causal=True))
         else:
             keys = _select(cache, pre.kv_index, q.dtype)
             parts.append(_prefill(q[td:], keys, pre, scale, softcap))
@@ -202,16 +210,24 @@ def _one_thread() -> Iterator[None]:
 
 
 def _prefill(
-    q: torch.Tensor, keys: torch.Tensor, g: PrefillGroup, scale: float, softcap: float | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    g: PrefillGroup,
+    scale: float,
+    softcap: float | None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Chunks padded to ``[B, max_q_len]`` (a view when there is one), attended in one call."""
+    """Chunks padded to ``[B, max_q_len]`` (a view when there is one), attended in one call;
+    ``causal``: keys are the chunks' own, padded the same way, under SDPA's causal mask (the
+    padding rows come last in each chunk, so no real query sees them)."""
     tp, h, d = q.shape
     if g.pad_index is None:
         q_pad = q.view(1, tp, h, d)
     else:
         q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
         q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)
-    out = _attend(q_pad.transpose(1, 2), keys, g.mask, scale, softcap)
+    mask = None if causal else g.mask
+    out = _attend(q_pad.transpose(1, 2), keys, mask, scale, softcap, causal)
     out = out.transpose(1, 2).reshape(-1, h * d)
     return out if g.pad_index is None else out.index_select(0, g.pad_index)
 
@@ -229,16 +245,26 @@ def _prefill_sliding(
     The chunk's own K/V are rounded to the pool dtype as if they had been stored, so a prompt
     gives the same logits however it is chunked.
     """
-    new = kv[g.row_start :].to(flat.dtype).to(kv.dtype)
-    if g.pad_index is None:
-        new = new.unsqueeze(0)
-    else:
-        padded = new.new_zeros(g.num_seqs * g.max_q_len, *new.shape[1:])
-        new = padded.index_copy_(0, g.pad_index, new).view(g.num_seqs, g.max_q_len, *new.shape[1:])
+    new = _padded(_as_stored(kv[g.row_start :], flat.dtype), g)
     if g.kv_index is not None:
         old = _select(flat.unsqueeze(1), g.kv_index, kv.dtype)
         new = torch.cat([old, new], dim=1)
     return _prefill(q, new, g, scale, softcap)
+
+
+def _as_stored(kv: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """The step's own K/V rounded to the pool dtype as if they had been stored, so a prompt
+    gives the same logits whether its keys come from the step or from the pool."""
+    return kv if pool_dtype == kv.dtype else kv.to(pool_dtype).to(kv.dtype)
+
+
+def _padded(rows: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
+    """The chunks' packed rows ``[Tp, ...]`` laid out ``[B, max_q_len, ...]`` like the queries."""
+    if g.pad_index is None:
+        return rows.unsqueeze(0)
+    padded = rows.new_zeros(g.num_seqs * g.max_q_len, *rows.shape[1:])
+    padded.index_copy_(0, g.pad_index, rows)
+    return padded.view(g.num_seqs, g.max_q_len, *rows.shape[1:])
 
 
 def _attend(
@@ -247,17 +273,23 @@ def _attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """SDPA of ``q`` ``[B, Hq, Lq, D]`` over ``keys`` ``[B, L, 2, kv_heads, D]`` (strided views)."""
     k = keys[:, :, 0].transpose(1, 2)
     v = keys[:, :, 1].transpose(1, 2)
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa, is_causal=causal
+        )
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = softcap_(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), softcap)
     if mask is not None:
         scores = scores + mask
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
     return torch.matmul(scores.softmax(dim=-1), v)

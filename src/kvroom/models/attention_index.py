@@ -99,8 +99,10 @@ class _Builder:
         if self.pre:
             ends = [c.start_pos + c.q_len for c in self.pre]
             kv_index = _block_rows(self.pre, ends, bs)
-            allowed = self._causal(kv_index.shape[1] * bs)
-            prefill = self._prefill_group(kv_index, allowed)
+            if all(c.start_pos == 0 for c in self.pre):
+                prefill = self._fresh_prefill_group(kv_index)
+            else:
+                prefill = self._prefill_group(kv_index, self._causal(kv_index.shape[1] * bs))
         write = torch.tensor(slots, dtype=torch.long)
         return KindBatch(sliding=False, write_index=write, decode=decode, prefill=prefill)
 
@@ -147,6 +149,18 @@ class _Builder:
             kv_index=kv_index,
             mask=_additive(allowed[:, None], self.dtype),
             **writes,
+        )
+
+    def _fresh_prefill_group(self, kv_index: torch.Tensor) -> PrefillGroup:
+        """Every chunk starts its sequence: no mask tensor, SDPA's causal (top-left) mask."""
+        return PrefillGroup(
+            row_start=self.num_decode,
+            num_seqs=len(self.pre),
+            max_q_len=self.max_q,
+            pad_index=self.pad_index,
+            kv_index=kv_index,
+            mask=None,
+            fresh=True,
         )
 
     def _sliding_prefill(self, w: int) -> PrefillGroup:

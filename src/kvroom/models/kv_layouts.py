@@ -149,6 +149,7 @@ def _attend_prefill(
         attn_mask=g.mask,
         scale=scale,
         enable_gqa=h != values.shape[2],
+        is_causal=g.fresh,  # top-left: query j of a fresh chunk sees keys 0..j
     )
     out = out.transpose(1, 2).reshape(-1, h * d)
     return out if g.pad_index is None else out.index_select(0, g.pad_index)

@@ -83,11 +83,30 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     """
     if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return w.contiguous()
-    if w.dtype == torch.bfloat16 and not cpu_kernels().bf16_packed:
+    if w.dtype == torch.bfloat16 and widens_bf16_weights():
         w = w.float()
     elif w.dtype not in (torch.float32, torch.bfloat16):
         return w.contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+
+
+def widens_bf16_weights() -> bool:
+    """True where ``prepare_weight`` widens bf16 projections to fp32 (this CPU has oneDNN but
+    not its bf16 GEMM): they then take twice their bf16 bytes."""
+    return torch.backends.mkldnn.is_available() and not cpu_kernels().bf16_packed
+
+
+def packed_bf16_bytes(model: torch.nn.Module) -> int:
+    """Bytes, as bf16, of the projections ``prepare_weight`` packed in a bf16 ``model`` (the
+    part whose size depends on the CPU: see ``widens_bf16_weights``); 0 for other dtypes."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.is_mkldnn and id(value) not in seen:
+                seen.add(id(value))
+                total += value.numel() * 2
+    return total
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -181,6 +181,14 @@ class MemoryPlan:
         """Re-fit with a measured runtime figure in place of the formula."""
         return self._refit_same(dataclasses.replace(self, measured_runtime_bytes=measured_bytes))
 
+    def on_cpu(self, widens_bf16: bool) -> MemoryPlan:
+        """This plan on a CPU that does (or does not) widen bf16 projections at load: the
+        measured weights follow the CPU, the pool size stays."""
+        terms = self.measured.on_cpu(widens_bf16) if self.measured else None
+        if terms is None or terms is self.measured:
+            return self
+        return self.with_measured(terms).with_num_blocks(self.num_blocks, self.num_blocks_source)
+
     def with_measured(self, terms: MeasuredTerms) -> MemoryPlan:
         """Re-fit with the profiling pass's terms in place of the formula."""
         return self._refit_same(dataclasses.replace(self, measured=terms))

@@ -48,6 +48,21 @@ class MeasuredTerms:
     vocabulary) rises above the steady state."""
     server_bytes: int = 0
     """``kvroom serve`` only: the HTTP app, its modules and its copy of the tokenizer."""
+    bf16_projection_bytes: int = 0
+    """The bf16 projections' bytes as bf16. CPUs without oneDNN's bf16 GEMM widen them to
+    fp32 at load (``models.kernels``), so they weigh twice that there: the one part of
+    ``weights_bytes`` that depends on the CPU, not only on the artifact."""
+    bf16_widened: bool = False
+    """The measuring CPU widened them (``weights_bytes`` holds fp32 copies)."""
+
+    def on_cpu(self, widens_bf16: bool) -> MeasuredTerms:
+        """These terms on a CPU that does (or does not) widen bf16 projections: a plan
+        measured on one CPU stays true on another (``run``/``serve`` re-fit at start-up)."""
+        if widens_bf16 == self.bf16_widened or not self.bf16_projection_bytes:
+            return self
+        delta = self.bf16_projection_bytes if widens_bf16 else -self.bf16_projection_bytes
+        weights = self.weights_bytes + delta
+        return dataclasses.replace(self, weights_bytes=weights, bf16_widened=widens_bf16)
 
     @property
     def step_bytes(self) -> int:
