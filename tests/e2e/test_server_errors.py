@@ -112,7 +112,7 @@ CASES = [
     ("logit-bias-vocab", C, completion(logit_bias={"999": 1}), 400, "logit_bias", r"\[0, 300\)"),
     ("stop-id-vocab", C, completion(stop_token_ids=[300]), 400, "stop_token_ids", r"300"),
     ("min-tokens", C, completion(min_tokens=9), 400, "min_tokens", r"max_tokens=4"),
-    ("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", r"'tools'"),
+    ("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools.0.function", r"missing"),
     ("unknown-field", C, completion(foo=1, bar=2), 400, "foo", r"'foo', 'bar'"),
     ("empty-stop-string", C, completion(stop=[""]), 400, "stop", r"at least 1 character"),
 ]

@@ -98,3 +98,29 @@ def startup_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "device", None):
         overrides["device"] = args.device
     return overrides
+
+
+def add_tool_call_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags for ``serve``."""
+    from kvroom.server.tool_calls import TOOL_CALL_PARSERS
+
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=None,
+        help="how the model writes tool calls: hermes = <tool_call>{json}</tool_call> "
+        "(Hermes, Qwen2.5, SmolLM-style templates)",
+    )
+
+
+def tool_options(args: argparse.Namespace) -> Any:
+    """``create_app``'s ``ToolOptions`` from the flags (``ConfigError`` if inconsistent)."""
+    from kvroom.server.tools import ToolOptions
+
+    return ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)

@@ -18,7 +18,12 @@ import sys
 from typing import Any
 
 from kvroom.cli.live_pool_options import add_live_pool_flags, open_llm
-from kvroom.cli.options import add_startup_flags, startup_overrides
+from kvroom.cli.options import (
+    add_startup_flags,
+    add_tool_call_flags,
+    startup_overrides,
+    tool_options,
+)
 from kvroom.cli.vllm_command import add_vllm_serve_flags, launch_for, serve_with_vllm
 from kvroom.errors import ConfigError
 
@@ -77,6 +82,7 @@ def add_serve_command(sub: Any) -> None:
         help="image_url parts may name local files under DIR (default: none; http(s) URLs "
         "are always refused)",
     )
+    add_tool_call_flags(p)
     add_live_pool_flags(p)
     add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -89,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise ConfigError(f"{flags}: only used with --engine vllm")
+    tools = tool_options(args)
     sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
     try:
         from kvroom.server.app import create_app, serve
@@ -102,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             allowed_local_media_path=args.allowed_local_media_path,
             admin_key=args.admin_key,
             elastic=elastic,
+            tool_options=tools,
             **_http_options(args),
         )
         host, port = sock.getsockname()[:2]

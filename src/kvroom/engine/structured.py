@@ -24,6 +24,7 @@ alone and its row allows only the stop tokens from then on.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class StructuredOutputs:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvroom-grammar")
         self._bitmask = torch.empty(0)
         self._batch: Any = None
+        self.fill_seconds = 0.0
+        """Time spent filling masks (on the worker thread, mostly under the forward)."""
+        self.wait_seconds = 0.0
+        """Time ``apply`` waited for a fill: the part the forward did not hide."""
 
     def begin(self, seqs: Sequence[ScheduledSeq]) -> StepMasks | None:
         """Start filling the masks of the constrained ``seqs`` (row ``i`` is ``seqs[i]``).
@@ -86,7 +91,9 @@ class StructuredOutputs:
         """Wait for the fill, then set disallowed logits of the constrained rows to -inf."""
         import xgrammar as xgr
 
+        start = time.perf_counter()
         masks.done.result()
+        self.wait_seconds += time.perf_counter() - start
         bitmask = masks.bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.compiler.vocab_size, indices=masks.rows
@@ -137,6 +144,7 @@ class StructuredOutputs:
         """Fill the rows of live matchers in one batched call; stop-only rows by hand."""
         import xgrammar as xgr
 
+        start = time.perf_counter()
         live = [(m, r) for m, r in zip(matchers, rows, strict=True) if _is_live(m)]
         if live:
             if self._batch is None:
@@ -147,6 +155,7 @@ class StructuredOutputs:
         for m, row in zip(matchers, rows, strict=True):
             if not _is_live(m):
                 _allow_only(bitmask[row], m.matcher.stop_token_ids)
+        self.fill_seconds += time.perf_counter() - start
 
 
 def _is_live(m: _Matcher) -> bool:

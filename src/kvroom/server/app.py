@@ -52,6 +52,7 @@ from kvroom.server.serving import Job, Prompt, ServerState, json_response, serve
 from kvroom.server.structured import check_compiles, requested_constraint
 from kvroom.server.tokenization import TokenizerPool
 from kvroom.server.tokenize import router as tokenize_router
+from kvroom.server.tools import ToolOptions, resolve_tools
 
 router = APIRouter()
 
@@ -65,6 +66,7 @@ def create_app(
     admin_key: str | None = None,
     elastic: ElasticPolicy | None = None,
     allowed_local_media_path: str | Path | None = None,
+    tool_options: ToolOptions | None = None,
 ) -> FastAPI:
     """An app serving ``llm``'s engine; the engine loop runs while the app's lifespan does.
 
@@ -74,7 +76,8 @@ def create_app(
 
     ``admin_key`` enables the admin routes (``server/admin.py``); ``elastic`` runs the elastic
     KV pool controller while the app runs; ``allowed_local_media_path``: the folder
-    ``image_url`` parts may name local files in.
+    ``image_url`` parts may name local files in; ``tool_options``: vLLM's
+    ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (``server/tools.py``).
     """
     runtime = llm.runtime
     model = runtime.runner.model
@@ -94,6 +97,7 @@ def create_app(
         block_size=cfg.kvcache_block_size,
         images=ChatImages(model, media) if hasattr(model, "prepare_prompt") else None,
         grammars=runtime.engine.grammars,
+        tool_options=tool_options or ToolOptions(),
     )
 
     @contextlib.asynccontextmanager
@@ -185,7 +189,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise ApiError(
             400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
         )
-    structured = await _constraint(s, body)
+    tool_use, forced = resolve_tools(body, s.tool_options)
+    structured = await _constraint(s, body, forced)
     prompt_ids, multimodal = await _chat_prompt(s, body)
     prompts = [Prompt(prompt_ids, "")]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -202,7 +207,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = ChatFormat(request_id, s.model_name, s.tokenizers.token_text, logprobs)
     job = Job(request_id, prompts, params, fmt, body.stream, body.include_usage, "messages")
-    return await serve_job(s, dataclasses.replace(job, multimodal=multimodal), request)
+    job = dataclasses.replace(job, multimodal=multimodal, tool_use=tool_use)
+    return await serve_job(s, job, request)
 
 
 def check_request(s: ServerState, body: SamplingBody) -> None:
@@ -216,14 +222,24 @@ def check_request(s: ServerState, body: SamplingBody) -> None:
         )
     unsupported = body.unsupported_params()
     if unsupported:
-        raise unsupported_params_error(
-            unsupported, "kvroom does not serve tools or suffix: leave them unset"
-        )
+        raise unsupported_params_error(unsupported, "kvroom does not serve suffix: leave it unset")
 
 
-async def _constraint(s: ServerState, body: SamplingBody) -> StructuredOutputsParams | None:
-    """The body's output constraint, compiled (a 400 naming the field if it does not)."""
+async def _constraint(
+    s: ServerState, body: SamplingBody, forced: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
+    """The body's output constraint (or the one ``tool_choice`` ``forced``), compiled; a 400
+    naming the field if it does not compile."""
     found = requested_constraint(body)
+    if forced is not None and found is not None:
+        raise ApiError(
+            400,
+            f"'tool_choice' forces the output to the tools' schema; drop '{found[0]}'",
+            param=found[0],
+            code="invalid_value",
+        )
+    if forced is not None:
+        found = ("tools", forced)
     if found is None:
         return None
     field, params = found
@@ -238,7 +254,8 @@ async def _chat_prompt(s: ServerState, body: ChatCompletionRequest) -> tuple[lis
         raise ApiError(400, "this model does not take images", param="messages")
     placeholder = s.images.placeholder if s.images is not None else ""
     messages = [m.as_template_input(placeholder) for m in body.messages]
-    ids = await chat_prompt_ids(s, messages)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    ids = await chat_prompt_ids(s, messages, tools=tools)
     if not urls:
         return ids, None
     assert s.images is not None

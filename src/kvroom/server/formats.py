@@ -31,9 +31,14 @@ from kvroom.server.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     UsageInfo,
 )
+from kvroom.server.tool_calls import ToolCall, ToolCallDelta
 
 TokenText = Callable[[int], str]
 Entry = tuple[int, TokenLogprobs | None]
@@ -51,6 +56,10 @@ class FinalChoice:
     """Tokens with logprobs, when the request asked (echoed prompt tokens first)."""
     finish_reason: str | None
     prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Chat: the calls parsed from the output; ``text`` is then the content outside them."""
+    content_is_null: bool = False
+    """Chat: no content besides the calls (``"content": null``)."""
 
 
 class CompletionFormat:
@@ -71,9 +80,16 @@ class CompletionFormat:
         return []
 
     def chunk(
-        self, index: int, delta: str, entries: list[Entry], offset: int, finish: str | None
+        self,
+        index: int,
+        delta: str,
+        entries: list[Entry],
+        offset: int,
+        finish: str | None,
+        tool_calls: Sequence[ToolCallDelta] = (),
     ) -> BaseModel:
-        """One choice's delta; ``offset`` is the text length already sent for it."""
+        """One choice's delta; ``offset`` is the text length already sent for it (chat alone
+        streams ``tool_calls``)."""
         logprobs = None if self.num_top is None else self._logprobs(entries, offset)
         choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)
         return self._response([choice], None)
@@ -145,11 +161,20 @@ class ChatFormat(CompletionFormat):
         return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None) for i in indexes]
 
     def chunk(
-        self, index: int, delta: str, entries: list[Entry], offset: int, finish: str | None
+        self,
+        index: int,
+        delta: str,
+        entries: list[Entry],
+        offset: int,
+        finish: str | None,
+        tool_calls: Sequence[ToolCallDelta] = (),
     ) -> BaseModel:
         logprobs = None if self.num_top is None else self._chat_logprobs(entries)
+        message = DeltaMessage(content=delta)
+        if tool_calls:
+            message = DeltaMessage(content=delta or None, tool_calls=_delta_calls(tool_calls))
         choice = ChatStreamChoice(
-            index=index, delta=DeltaMessage(content=delta), logprobs=logprobs, finish_reason=finish
+            index=index, delta=message, logprobs=logprobs, finish_reason=finish
         )
         return self._chunk([choice], None)
 
@@ -164,7 +189,7 @@ class ChatFormat(CompletionFormat):
             choices=[
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(content=c.text),
+                    message=_message(c),
                     logprobs=None if c.entries is None else self._chat_logprobs(c.entries),
                     finish_reason=c.finish_reason,
                 )
@@ -198,3 +223,23 @@ class ChatFormat(CompletionFormat):
         return ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+
+def _message(c: FinalChoice) -> AssistantMessage:
+    calls = [
+        ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+        for t in c.tool_calls
+    ]
+    return AssistantMessage(content=None if c.content_is_null else c.text, tool_calls=calls)
+
+
+def _delta_calls(pieces: Sequence[ToolCallDelta]) -> list[DeltaToolCall]:
+    return [
+        DeltaToolCall(
+            index=p.index,
+            id=p.id,
+            type="function" if p.id is not None else None,
+            function=DeltaFunction(name=p.name, arguments=p.arguments),
+        )
+        for p in pieces
+    ]

@@ -67,7 +67,10 @@ def check_token_ids(s: ServerState, ids: list[int], param: str) -> None:
 
 
 async def chat_prompt_ids(
-    s: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    s: ServerState,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     if not getattr(s.tokenizers.loop_tokenizer, "chat_template", None):
         raise ApiError(
@@ -76,7 +79,7 @@ async def chat_prompt_ids(
             param="messages",
         )
     try:
-        return await s.tokenizers.chat_ids(messages, add_generation_prompt)
+        return await s.tokenizers.chat_ids(messages, add_generation_prompt, tools)
     except jinja2.TemplateError as exc:
         raise ApiError(
             400, f"the chat template rejected these messages: {exc}", param="messages"

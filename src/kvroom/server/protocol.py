@@ -10,6 +10,7 @@ passes (clients that send ``"tools": []`` keep working) and any other value is r
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -183,11 +184,29 @@ class ImagePart(_Request):
     image_url: ImageURL
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant turn made (sent back in multi-turn tool use)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     """Accepted; passed to the chat template."""
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant turn's calls; passed to the chat template (arguments as objects)."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
 
     def image_urls(self) -> list[str]:
         """URLs of the message's ``image_url`` parts, in order."""
@@ -203,20 +222,49 @@ class ChatMessage(_Request):
             content = "".join(
                 p.text if isinstance(p, TextPart) else image_placeholder for p in content
             )
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_SamplingRequest.UNSUPPORTED,
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-        "parallel_tool_calls": (None,),
-    }
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    """A call as chat templates read it: arguments as an object when they parse (vLLM)."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object."""
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     """Deprecated by OpenAI in favour of ``max_completion_tokens``; null = up to max_seq_len."""
@@ -225,9 +273,12 @@ class ChatCompletionRequest(_SamplingRequest):
     """Logprobs of each generated token."""
     top_logprobs: NumLogprobs | None = None
     """With ``logprobs``: this many most likely alternatives per token."""
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    """Functions the model may call; passed to the chat template (``server/tools.py``)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default ``"auto"`` when ``tools`` are given, else ``"none"`` (vLLM)."""
     parallel_tool_calls: bool | None = None
+    """False: at most one call (``"required"``)."""
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -11,6 +11,7 @@ response), and closing the streams aborts every choice so their KV blocks are fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -36,6 +37,8 @@ from kvroom.server.metrics import ServerMetrics
 from kvroom.server.protocol import ApiError
 from kvroom.server.responses import UsageInfo
 from kvroom.server.tokenization import TokenizerPool
+from kvroom.server.tool_calls import ToolCallDelta
+from kvroom.server.tools import ToolOptions, ToolUse
 
 T = TypeVar("T")
 _ENGINE_REQUEST_PREFIX = re.compile(r"^request \d+: ")
@@ -61,6 +64,8 @@ class ServerState:
     """``images.ChatImages`` when the model takes images, else None."""
     grammars: Any = None
     """The engine's ``GrammarCompiler`` (structured outputs), or None without a tokenizer."""
+    tool_options: ToolOptions = field(default_factory=ToolOptions)
+    """``--enable-auto-tool-choice`` and ``--tool-call-parser``."""
 
 
 @dataclass
@@ -89,6 +94,8 @@ class Job:
     arrival_time: float = field(default_factory=time.monotonic)
     multimodal: Any = None
     """The prompt's images as the model prepared them (``image_url`` parts), or None."""
+    tool_use: ToolUse | None = None
+    """Chat with tools in play: how each choice's output becomes ``tool_calls``."""
 
     def engine_requests(self) -> list[tuple[str, Prompt, SamplingParams]]:
         """``(request id, prompt, params)`` per sequence, prompt-major."""
@@ -188,10 +195,24 @@ def _final_choices(job: Job, finals: list[RequestOutput]) -> list[FinalChoice]:
             text = (prompt.text if job.echo else "") + (out.text or "")
             entries = _entries(job, prompt, out, 0, first=True)
             index = i * job.params.n + j
-            choices.append(
-                FinalChoice(index, text, entries, out.finish_reason, out.prompt_logprobs)
-            )
+            choice = FinalChoice(index, text, entries, out.finish_reason, out.prompt_logprobs)
+            choices.append(choice if job.tool_use is None else _with_calls(job.tool_use, choice))
     return choices
+
+
+def _with_calls(tool_use: ToolUse, choice: FinalChoice) -> FinalChoice:
+    """The choice's text split into content and calls (``finish_reason`` "tool_calls")."""
+    parsed = tool_use.parse(choice.text)
+    reason = choice.finish_reason
+    if parsed.tool_calls and reason == "stop":
+        reason = "tool_calls"
+    return dataclasses.replace(
+        choice,
+        text=parsed.content or "",
+        finish_reason=reason,
+        tool_calls=parsed.tool_calls,
+        content_is_null=parsed.content is None,
+    )
 
 
 def _entries(
@@ -218,6 +239,8 @@ class _Sent:
     offset: int = 0
     """Characters of token text sent in logprobs (the next ``text_offset``)."""
     started: bool = False
+    streamer: Any = None
+    """With tools: the parser turning this choice's text into content and call pieces."""
 
 
 async def _sse(s: ServerState, job: Job, streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -227,6 +250,9 @@ async def _sse(s: ServerState, job: Job, streams: list[RequestStream]) -> AsyncI
     come) is held back, so the deltas always add up to the final text.
     """
     sent = [_Sent() for _ in streams]
+    if job.tool_use is not None:
+        for one in sent:
+            one.streamer = job.tool_use.streamer()
     num_generated = [0] * len(streams)
     try:
         for chunk in job.fmt.opening([job.choice_index(i) for i in range(len(streams))]):
@@ -256,14 +282,21 @@ def _delta_chunk(job: Job, i: int, out: RequestOutput, sent: _Sent) -> BaseModel
     text = out.text or ""
     visible = text if out.finished else text.rstrip(_REPLACEMENT_CHAR)
     delta = visible[len(sent.text) :]
+    calls: tuple[ToolCallDelta, ...] = ()
+    if sent.streamer is not None:
+        parsed = sent.streamer.feed(visible, finished=out.finished)
+        delta, calls = parsed.content, parsed.tool_calls
     entries = _entries(job, prompt, out, sent.num_tokens, first=not sent.started)
-    if not (prefix or delta or entries or out.finished):
+    if not (prefix or delta or calls or entries or out.finished):
         return None
     sent.started = True
     sent.text = visible
     sent.num_tokens = len(out.logprobs or ())
     reason = out.finish_reason if out.finished else None
-    chunk = job.fmt.chunk(job.choice_index(i), prefix + delta, entries or [], sent.offset, reason)
+    if reason == "stop" and sent.streamer is not None and sent.streamer.num_calls:
+        reason = "tool_calls"
+    index = job.choice_index(i)
+    chunk = job.fmt.chunk(index, prefix + delta, entries or [], sent.offset, reason, calls)
     sent.offset += sum(len(job.fmt.token_text(t)) for t, _ in entries or ())
     return chunk
 

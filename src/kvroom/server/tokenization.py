@@ -61,9 +61,13 @@ class TokenizerPool:
         return list(ids)
 
     async def chat_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return list(await self._run(_chat_ids, messages, add_generation_prompt))
+        """The chat template's token ids (``tools`` passed to it, as vLLM does)."""
+        return list(await self._run(_chat_ids, messages, add_generation_prompt, tools))
 
     async def decode(self, ids: Sequence[int]) -> str:
         return await self._run(_decode, list(ids))
@@ -92,10 +96,17 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
 ) -> list[int]:
     return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
     )
 
 
