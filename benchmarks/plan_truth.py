@@ -15,7 +15,7 @@ figure (``formula_total_bytes``, the plan without profiling) is shown with its e
 
     python benchmarks/plan_truth.py                   # the full matrix
     python benchmarks/plan_truth.py --matrix small    # the CI matrix (tests/e2e/test_plan_truth.py)
-    python benchmarks/plan_truth.py --json out.json --work /tmp/plan-truth
+    python benchmarks/plan_truth.py --json out.json --work artifacts/plan-truth
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--matrix", choices=("small", "full"), default="full")
     parser.add_argument("--cases", default=None, help="comma list of case names to run")
-    parser.add_argument("--work", default="/tmp/kvroom-plan-truth", help="artifacts go here")
+    parser.add_argument("--work", default="artifacts/plan-truth", help="artifacts go here")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument(
         "--worker", nargs=2, metavar=("ARTIFACT", "WORKLOAD"), help=argparse.SUPPRESS

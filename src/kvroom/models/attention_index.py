@@ -8,7 +8,7 @@ the layer loop only consumes them. The storage layout the indices address is dra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -100,7 +100,7 @@ class _Builder:
             ends = [c.start_pos + c.q_len for c in self.pre]
             kv_index = _block_rows(self.pre, ends, bs)
             if all(c.start_pos == 0 for c in self.pre):
-                prefill = self._fresh_prefill_group(kv_index)
+                prefill = self._prefill_group(kv_index, None, fresh=True)  # SDPA's causal mask
             else:
                 prefill = self._prefill_group(kv_index, self._causal(kv_index.shape[1] * bs))
         write = torch.tensor(slots, dtype=torch.long)
@@ -139,28 +139,17 @@ class _Builder:
         return torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
 
     def _prefill_group(
-        self, kv_index: torch.Tensor | None, allowed: torch.Tensor, **writes: torch.Tensor
+        self, kv_index: torch.Tensor | None, allowed: torch.Tensor | None, **extra: Any
     ) -> PrefillGroup:
+        """``allowed`` None: no mask tensor (a ``fresh`` group, every chunk at position 0)."""
         return PrefillGroup(
             row_start=self.num_decode,
             num_seqs=len(self.pre),
             max_q_len=self.max_q,
             pad_index=self.pad_index,
             kv_index=kv_index,
-            mask=_additive(allowed[:, None], self.dtype),
-            **writes,
-        )
-
-    def _fresh_prefill_group(self, kv_index: torch.Tensor) -> PrefillGroup:
-        """Every chunk starts its sequence: no mask tensor, SDPA's causal (top-left) mask."""
-        return PrefillGroup(
-            row_start=self.num_decode,
-            num_seqs=len(self.pre),
-            max_q_len=self.max_q,
-            pad_index=self.pad_index,
-            kv_index=kv_index,
-            mask=None,
-            fresh=True,
+            mask=None if allowed is None else _additive(allowed[:, None], self.dtype),
+            **extra,
         )
 
     def _sliding_prefill(self, w: int) -> PrefillGroup:
