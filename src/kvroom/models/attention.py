@@ -62,6 +62,28 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class PrefillChunk:
+    """One prefill chunk of a step where some chunk has cached context, attended on its own:
+    no padding to the step's longest chunk and no ``[B, Q, L]`` mask, so what the step holds
+    is bounded by one chunk's keys (``kv_len`` <= ``max_seq_len``), whatever the batch."""
+
+    row_start: int
+    """First row of the chunk among the prefill rows (packed)."""
+    q_len: int
+    start_pos: int
+    """Cached positions before the chunk; 0: its keys are its own K/V (SDPA's causal mask)."""
+    kv_index: torch.Tensor
+    """``[1, n]`` blocks holding positions ``0 .. start_pos + q_len - 1``."""
+    mask: torch.Tensor | None
+    """``[1, 1, q_len, kv_len]`` additive: query j sees keys ``<= start_pos + j``; None when
+    ``start_pos`` is 0."""
+
+    @property
+    def kv_len(self) -> int:
+        return self.start_pos + self.q_len
+
+
+@dataclass(frozen=True)
 class PrefillGroup:
     """Rows ``[row_start, T)``: chunks of two or more tokens, laid out ``[B, max_q_len]``."""
 
@@ -84,6 +106,9 @@ class PrefillGroup:
     """Full only: every chunk starts at position 0, so its keys are its own K/V: attention
     reads them from the step (no gather from the pool) under SDPA's causal mask, ``mask``
     None; a layout that gathers (K=V) gets the same keys from ``kv_index``, top-left causal."""
+    chunks: tuple[PrefillChunk, ...] = ()
+    """Full only, when some chunk has cached context: the chunks, attended one by one
+    (``kv_index``, ``mask`` and ``pad_index`` are None then)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +163,9 @@ def paged_attention(
         elif pre.fresh:
             keys = _padded(_as_stored(kv[pre.row_start :], flat.dtype), pre)
             parts.append(_prefill(q[td:], keys, pre, scale, softcap, causal=True))
+        elif pre.chunks:
+            own = _as_stored(kv[pre.row_start :], flat.dtype)
+            parts.append(_prefill_chunks(q[td:], own, cache, pre.chunks, scale, softcap))
         else:
             keys = _select(cache, pre.kv_index, q.dtype)
             parts.append(_prefill(q[td:], keys, pre, scale, softcap))
@@ -230,6 +258,29 @@ def _prefill(
     out = _attend(q_pad.transpose(1, 2), keys, mask, scale, softcap, causal)
     out = out.transpose(1, 2).reshape(-1, h * d)
     return out if g.pad_index is None else out.index_select(0, g.pad_index)
+
+
+def _prefill_chunks(
+    q: torch.Tensor,
+    own: torch.Tensor,
+    cache: torch.Tensor,
+    chunks: tuple[PrefillChunk, ...],
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Each chunk against its own keys: the step's K/V (``own``, packed like ``q``) for a
+    chunk at position 0, its gathered blocks under its causal mask otherwise."""
+    outs = []
+    for c in chunks:
+        rows = slice(c.row_start, c.row_start + c.q_len)
+        qc = q[rows].unsqueeze(0).transpose(1, 2)
+        if c.mask is None:
+            out = _attend(qc, own[rows].unsqueeze(0), None, scale, softcap, causal=True)
+        else:
+            keys = _select(cache, c.kv_index, q.dtype)[:, : c.kv_len]
+            out = _attend(qc, keys, c.mask, scale, softcap)
+        outs.append(out.transpose(1, 2).reshape(c.q_len, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _prefill_sliding(

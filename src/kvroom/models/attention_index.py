@@ -12,7 +12,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvroom.models.attention import AttentionMetadata, DecodeGroup, KindBatch, PrefillGroup
+from kvroom.models.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    KindBatch,
+    PrefillChunk,
+    PrefillGroup,
+)
 
 
 class SeqChunk(NamedTuple):
@@ -97,12 +103,12 @@ class _Builder:
             decode = self._decode_group(lens, _block_rows(self.dec, lens, bs), bs)
         prefill = None
         if self.pre:
-            ends = [c.start_pos + c.q_len for c in self.pre]
-            kv_index = _block_rows(self.pre, ends, bs)
             if all(c.start_pos == 0 for c in self.pre):
+                ends = [c.q_len for c in self.pre]
+                kv_index = _block_rows(self.pre, ends, bs)
                 prefill = self._prefill_group(kv_index, None, fresh=True)  # SDPA's causal mask
             else:
-                prefill = self._prefill_group(kv_index, self._causal(kv_index.shape[1] * bs))
+                prefill = self._chunked_prefill(bs)
         write = torch.tensor(slots, dtype=torch.long)
         return KindBatch(sliding=False, write_index=write, decode=decode, prefill=prefill)
 
@@ -132,11 +138,28 @@ class _Builder:
             mask = _additive(keep[:, None, None, :], self.dtype)
         return DecodeGroup(len(lens), kv_index, kv_len, mask, start, torch.tensor(lens))
 
-    def _causal(self, num_keys: int) -> torch.Tensor:
-        """``[B, Q, L]``: query j of a chunk starting at s sees cached positions ``<= s + j``."""
-        starts = torch.tensor([c.start_pos for c in self.pre])
-        q_pos = starts[:, None] + torch.arange(self.max_q)[None, :]
-        return torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
+    def _chunked_prefill(self, bs: int) -> PrefillGroup:
+        """Some chunk has cached context: each chunk is attended on its own (``chunks``)."""
+        chunks, row = [], 0
+        for c in self.pre:
+            end = c.start_pos + c.q_len
+            index = torch.tensor([c.block_table[: -(-end // bs)]], dtype=torch.long)
+            mask = None
+            if c.start_pos:
+                # query j sees cached positions <= start + j
+                q_pos = c.start_pos + torch.arange(c.q_len)[:, None]
+                mask = _additive((torch.arange(end)[None, :] <= q_pos)[None, None], self.dtype)
+            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, index, mask))
+            row += c.q_len
+        return PrefillGroup(
+            row_start=self.num_decode,
+            num_seqs=len(self.pre),
+            max_q_len=self.max_q,
+            pad_index=None,
+            kv_index=None,
+            mask=None,
+            chunks=tuple(chunks),
+        )
 
     def _prefill_group(
         self, kv_index: torch.Tensor | None, allowed: torch.Tensor | None, **extra: Any
@@ -210,8 +233,10 @@ def _to_device(batch: KindBatch, device: torch.device | str) -> KindBatch:
     def move(obj: object) -> object:
         if isinstance(obj, torch.Tensor):
             return obj.to(device, non_blocking=True)
-        if isinstance(obj, DecodeGroup | PrefillGroup):
+        if isinstance(obj, DecodeGroup | PrefillGroup | PrefillChunk):
             return type(obj)(**{f: move(getattr(obj, f)) for f in obj.__dataclass_fields__})
+        if isinstance(obj, tuple):
+            return tuple(move(item) for item in obj)
         return obj
 
     return KindBatch(

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kvroom.models.attention import KindBatch, PrefillGroup
+from kvroom.models.attention import KindBatch, PrefillChunk, PrefillGroup
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -131,7 +131,10 @@ def _attend_prefill(
     key_cis: Callable[[int], torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    """Chunks padded to ``[B, max_q_len]`` against their gathered blocks, one SDPA call."""
+    """Chunks padded to ``[B, max_q_len]`` against their gathered blocks, one SDPA call
+    (or chunk by chunk, ``g.chunks``, when some chunk has cached context)."""
+    if g.chunks:
+        return _attend_chunks(q, cache, g.chunks, k_weight, key_cis, scale)
     tp, h, d = q.shape
     assert g.kv_index is not None
     values = _gather(cache, g.kv_index, q.dtype)
@@ -153,3 +156,32 @@ def _attend_prefill(
     )
     out = out.transpose(1, 2).reshape(-1, h * d)
     return out if g.pad_index is None else out.index_select(0, g.pad_index)
+
+
+def _attend_chunks(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    chunks: tuple[PrefillChunk, ...],
+    k_weight: torch.Tensor,
+    key_cis: Callable[[int], torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Each chunk against its own gathered blocks: top-left causal at position 0, its
+    causal mask over the cached positions otherwise."""
+    h = q.shape[1]
+    outs = []
+    for c in chunks:
+        values = _gather(cache, c.kv_index, q.dtype)[:, : c.kv_len]
+        k = rebuild_keys(values, k_weight, key_cis(c.kv_len)).transpose(1, 2)
+        qc = q[c.row_start : c.row_start + c.q_len].unsqueeze(0).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qc,
+            k,
+            values.transpose(1, 2),
+            attn_mask=c.mask,
+            scale=scale,
+            enable_gqa=h != values.shape[2],
+            is_causal=c.mask is None,
+        )
+        outs.append(out.transpose(1, 2).reshape(c.q_len, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
