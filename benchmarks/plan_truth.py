@@ -150,7 +150,10 @@ def requests_for(workload: str, cfg: Any, vocab: int) -> list[tuple[list[int], d
     greedy = dict(temperature=0.0, ignore_eos=True)
     topp = dict(temperature=0.8, top_p=0.95, ignore_eos=True)
     if workload == "prefill":
-        new = min(8, length // 4)
+        # enough new tokens that every prompt is prefilled before the first one finishes,
+        # so all of them hold their blocks at once
+        steps_to_prefill_all = -(-b * length // cfg.max_num_batched_tokens)
+        new = min(length // 4, max(8, 2 * steps_to_prefill_all))
         return [(ids(i, length - new), dict(greedy, max_tokens=new)) for i in range(b)]
     if workload == "decode":
         return [(ids(i, 4), dict(greedy, max_tokens=length - 4)) for i in range(b)]

@@ -71,16 +71,17 @@ class PrefillChunk:
     """First row of the chunk among the prefill rows (packed)."""
     q_len: int
     start_pos: int
-    """Cached positions before the chunk; 0: its keys are its own K/V (SDPA's causal mask)."""
-    kv_index: torch.Tensor
-    """``[1, n]`` blocks holding positions ``0 .. start_pos + q_len - 1``."""
+    """Cached positions before the chunk; 0 (full layers): its keys are its own K/V, under
+    SDPA's causal mask."""
+    kv_len: int
+    """Keys it attends to: ``start_pos + q_len`` (full), old ring entries + ``q_len``
+    (sliding)."""
+    kv_index: torch.Tensor | None
+    """Full: ``[1, n]`` blocks holding positions ``0 .. kv_len - 1``. Sliding: ``[1, n_old]``
+    flat ring entries of its old keys, None when it has none."""
     mask: torch.Tensor | None
-    """``[1, 1, q_len, kv_len]`` additive: query j sees keys ``<= start_pos + j``; None when
-    ``start_pos`` is 0."""
-
-    @property
-    def kv_len(self) -> int:
-        return self.start_pos + self.q_len
+    """``[1, 1, q_len, kv_len]`` additive. Full: query j sees keys ``<= start_pos + j``, None
+    when ``start_pos`` is 0. Sliding: the causal window over old and own keys."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,6 @@ class PrefillGroup:
     kv_index: torch.Tensor | None
     """Full: ``[B, n]`` blocks to gather. Sliding: ``[B, L_old]`` flat ring entries of the old
     keys, None when no chunk has any."""
-    mask: torch.Tensor | None
-    """``[B, 1, max_q_len, L]`` additive causal (and window) mask over the gathered keys;
-    None for ``fresh`` chunks."""
     write_src: torch.Tensor | None = None
     """Sliding only: step rows whose K/V are stored after attention (last ``min(C, W)``)."""
     write_dst: torch.Tensor | None = None
@@ -162,13 +160,10 @@ def paged_attention(
             _store(flat, pre.write_dst, kv.index_select(0, pre.write_src))
         elif pre.fresh:
             keys = _padded(_as_stored(kv[pre.row_start :], flat.dtype), pre)
-            parts.append(_prefill(q[td:], keys, pre, scale, softcap, causal=True))
-        elif pre.chunks:
+            parts.append(_prefill(q[td:], keys, pre, scale, softcap))
+        else:
             own = _as_stored(kv[pre.row_start :], flat.dtype)
             parts.append(_prefill_chunks(q[td:], own, cache, pre.chunks, scale, softcap))
-        else:
-            keys = _select(cache, pre.kv_index, q.dtype)
-            parts.append(_prefill(q[td:], keys, pre, scale, softcap))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -243,19 +238,17 @@ def _prefill(
     g: PrefillGroup,
     scale: float,
     softcap: float | None,
-    causal: bool = False,
 ) -> torch.Tensor:
-    """Chunks padded to ``[B, max_q_len]`` (a view when there is one), attended in one call;
-    ``causal``: keys are the chunks' own, padded the same way, under SDPA's causal mask (the
-    padding rows come last in each chunk, so no real query sees them)."""
+    """Fresh chunks padded to ``[B, max_q_len]`` (a view when there is one), attended in one
+    call over their own keys, padded the same way, under SDPA's causal mask (the padding rows
+    come last in each chunk, so no real query sees them)."""
     tp, h, d = q.shape
     if g.pad_index is None:
         q_pad = q.view(1, tp, h, d)
     else:
         q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
         q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)
-    mask = None if causal else g.mask
-    out = _attend(q_pad.transpose(1, 2), keys, mask, scale, softcap, causal)
+    out = _attend(q_pad.transpose(1, 2), keys, None, scale, softcap, causal=True)
     out = out.transpose(1, 2).reshape(-1, h * d)
     return out if g.pad_index is None else out.index_select(0, g.pad_index)
 
@@ -291,16 +284,21 @@ def _prefill_sliding(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Keys = old ring entries + the chunk's own K/V, read before the chunk is stored.
+    """Per chunk, keys = its old ring entries + its own K/V, read before the chunk is stored.
 
     The chunk's own K/V are rounded to the pool dtype as if they had been stored, so a prompt
     gives the same logits however it is chunked.
     """
-    new = _padded(_as_stored(kv[g.row_start :], flat.dtype), g)
-    if g.kv_index is not None:
-        old = _select(flat.unsqueeze(1), g.kv_index, kv.dtype)
-        new = torch.cat([old, new], dim=1)
-    return _prefill(q, new, g, scale, softcap)
+    own = _as_stored(kv[g.row_start :], flat.dtype)
+    outs = []
+    for c in g.chunks:
+        rows = slice(c.row_start, c.row_start + c.q_len)
+        keys = own[rows].unsqueeze(0)
+        if c.kv_index is not None:
+            keys = torch.cat([_select(flat.unsqueeze(1), c.kv_index, kv.dtype), keys], dim=1)
+        out = _attend(q[rows].unsqueeze(0).transpose(1, 2), keys, c.mask, scale, softcap)
+        outs.append(out.transpose(1, 2).reshape(c.q_len, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _as_stored(kv: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ the layer loop only consumes them. The storage layout the indices address is dra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -106,7 +106,7 @@ class _Builder:
             if all(c.start_pos == 0 for c in self.pre):
                 ends = [c.q_len for c in self.pre]
                 kv_index = _block_rows(self.pre, ends, bs)
-                prefill = self._prefill_group(kv_index, None, fresh=True)  # SDPA's causal mask
+                prefill = self._fresh_group(kv_index)  # SDPA's causal mask
             else:
                 prefill = self._chunked_prefill(bs)
         write = torch.tensor(slots, dtype=torch.long)
@@ -149,7 +149,7 @@ class _Builder:
                 # query j sees cached positions <= start + j
                 q_pos = c.start_pos + torch.arange(c.q_len)[:, None]
                 mask = _additive((torch.arange(end)[None, :] <= q_pos)[None, None], self.dtype)
-            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, index, mask))
+            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, end, index, mask))
             row += c.q_len
         return PrefillGroup(
             row_start=self.num_decode,
@@ -157,26 +157,23 @@ class _Builder:
             max_q_len=self.max_q,
             pad_index=None,
             kv_index=None,
-            mask=None,
             chunks=tuple(chunks),
         )
 
-    def _prefill_group(
-        self, kv_index: torch.Tensor | None, allowed: torch.Tensor | None, **extra: Any
-    ) -> PrefillGroup:
-        """``allowed`` None: no mask tensor (a ``fresh`` group, every chunk at position 0)."""
+    def _fresh_group(self, kv_index: torch.Tensor) -> PrefillGroup:
+        """Every chunk at position 0: padded to ``[B, max_q_len]``, no mask tensor."""
         return PrefillGroup(
             row_start=self.num_decode,
             num_seqs=len(self.pre),
             max_q_len=self.max_q,
             pad_index=self.pad_index,
             kv_index=kv_index,
-            mask=None if allowed is None else _additive(allowed[:, None], self.dtype),
-            **extra,
+            fresh=True,
         )
 
     def _sliding_prefill(self, w: int) -> PrefillGroup:
-        """Keys = old ring entries (oldest first, right-padded) then the chunk's own tokens.
+        """Per chunk (``chunks``), keys = its old ring entries (oldest first) then its own
+        tokens.
 
         ::
 
@@ -184,33 +181,34 @@ class _Builder:
                                               new: positions s .. s+C-1
             query s+j sees position k  iff  s+j-W < k <= s+j
         """
-        n_old = [min(c.start_pos, w - 1) for c in self.pre]
-        l_old = max(n_old)
-        q = torch.arange(self.max_q)[None, :, None]
-        o = torch.arange(l_old)[None, None, :]
-        n_old_t = torch.tensor(n_old)[:, None, None]
-        old_ok = (o < n_old_t) & (o - n_old_t > q - w)
-        k = torch.arange(self.max_q)[None, None, :]
-        new_ok = (k <= q) & (q - k < w)
-        allowed = torch.cat([old_ok, new_ok.expand(len(self.pre), -1, -1)], dim=2)
-        old_index = None
-        if l_old:
-            rows = [
-                [
-                    c.sliding_slot * w + (c.start_pos - n + i) % w if i < n else 0
-                    for i in range(l_old)
-                ]
-                for c, n in zip(self.pre, n_old, strict=True)
-            ]
-            old_index = torch.tensor(rows, dtype=torch.long)
+        chunks, row = [], 0
+        for c in self.pre:
+            n_old = min(c.start_pos, w - 1)
+            q = torch.arange(c.q_len)[:, None]
+            old_ok = torch.arange(n_old)[None, :] - n_old > q - w
+            k = torch.arange(c.q_len)[None, :]
+            allowed = torch.cat([old_ok, (k <= q) & (q - k < w)], dim=1)
+            old = [c.sliding_slot * w + (c.start_pos - n_old + i) % w for i in range(n_old)]
+            index = torch.tensor([old], dtype=torch.long) if n_old else None
+            mask = _additive(allowed[None, None], self.dtype)
+            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, n_old + c.q_len, index, mask))
+            row += c.q_len
         src, dst, row = [], [], self.num_decode
         for c in self.pre:
             for p in range(max(c.start_pos, c.start_pos + c.q_len - w), c.start_pos + c.q_len):
                 src.append(row + p - c.start_pos)
                 dst.append(c.sliding_slot * w + p % w)
             row += c.q_len
-        writes = {"write_src": torch.tensor(src), "write_dst": torch.tensor(dst)}
-        return self._prefill_group(old_index, allowed, **writes)
+        return PrefillGroup(
+            row_start=self.num_decode,
+            num_seqs=len(self.pre),
+            max_q_len=self.max_q,
+            pad_index=None,
+            kv_index=None,
+            write_src=torch.tensor(src),
+            write_dst=torch.tensor(dst),
+            chunks=tuple(chunks),
+        )
 
 
 def _block_rows(chunks: Sequence[SeqChunk], lens: list[int], bs: int) -> torch.Tensor:

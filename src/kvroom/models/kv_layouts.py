@@ -131,8 +131,8 @@ def _attend_prefill(
     key_cis: Callable[[int], torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    """Chunks padded to ``[B, max_q_len]`` against their gathered blocks, one SDPA call
-    (or chunk by chunk, ``g.chunks``, when some chunk has cached context)."""
+    """Fresh chunks padded to ``[B, max_q_len]`` against their gathered blocks, one SDPA call;
+    chunk by chunk (``g.chunks``) when some chunk has cached context."""
     if g.chunks:
         return _attend_chunks(q, cache, g.chunks, k_weight, key_cis, scale)
     tp, h, d = q.shape
@@ -149,10 +149,9 @@ def _attend_prefill(
         q_pad.transpose(1, 2),
         k,
         values.transpose(1, 2),
-        attn_mask=g.mask,
         scale=scale,
         enable_gqa=h != values.shape[2],
-        is_causal=g.fresh,  # top-left: query j of a fresh chunk sees keys 0..j
+        is_causal=True,  # a fresh group: query j of each chunk sees keys 0..j
     )
     out = out.transpose(1, 2).reshape(-1, h * d)
     return out if g.pad_index is None else out.index_select(0, g.pad_index)
