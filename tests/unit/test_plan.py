@@ -20,6 +20,7 @@ from kvroom.plan.kv import (
     sliding_window_bytes,
 )
 from kvroom.plan.measured import MeasuredTerms
+from kvroom.plan.report import plan_table, terms_table
 from kvroom.plan.weights import weight_bytes
 
 SMOLLM2_135M_PARAMS = (
@@ -385,8 +386,8 @@ def _rows(table: str) -> dict[str, str]:
     return rows
 
 
-def test_render_table_has_every_figure(tiny_plan: MemoryPlan) -> None:
-    assert _rows(tiny_plan.render_table()) == {
+def test_plan_table_has_every_figure(tiny_plan: MemoryPlan) -> None:
+    assert _rows(plan_table(tiny_plan)) == {
         "device memory (cpu, explicit)": "188.08 KiB",  # 192_590 / 1024
         "x kvcache_memory_fraction 0.5": "94.04 KiB",  # 96_295
         "- kvcache_reserve_memory": "1000 B",
@@ -410,8 +411,8 @@ def test_render_table_has_every_figure(tiny_plan: MemoryPlan) -> None:
     }
 
 
-def test_render_table_shows_measured_runtime(tiny_plan: MemoryPlan) -> None:
-    rows = _rows(tiny_plan.with_measured_runtime(42_000).render_table())
+def test_plan_table_shows_measured_runtime(tiny_plan: MemoryPlan) -> None:
+    rows = _rows(plan_table(tiny_plan.with_measured_runtime(42_000)))
     assert rows["- runtime buffers (measured)"] == "41.02 KiB"  # 42_000 / 1024
     assert rows["= blocks that fit"] == "12"
 
@@ -517,10 +518,10 @@ def test_measured_plan_json_round_trip_and_total(tiny_plan: MemoryPlan) -> None:
     assert MemoryPlan.from_dict(data) == plan
 
 
-def test_render_terms_side_by_side(tiny_plan: MemoryPlan) -> None:
-    formula_only = tiny_plan.render_terms().splitlines()
+def test_terms_table_side_by_side(tiny_plan: MemoryPlan) -> None:
+    formula_only = terms_table(tiny_plan).splitlines()
     assert formula_only[0].split() == ["non-KV", "memory", "at", "peak", "formula", "measured"]
-    text = tiny_plan.with_measured(_terms()).render_terms()
+    text = terms_table(tiny_plan.with_measured(_terms()))
     assert "step peak: prefill" in text and "server (kvroom serve only)" in text
     assert "formula vs measured" in text
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvroom.cli.options import add_config_flags, config_overrides
+from kvroom.plan.report import plan_table, terms_table
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -69,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"model: {args.model} ({planned.spec.architecture}, "
         f"{planned.source.num_parameters:,} parameters)"
     )
-    print(plan.render_table())
+    print(plan_table(plan))
     print(
         f"{plan.num_blocks} blocks x {plan.kvcache_block_size} tokens = {plan.num_tokens} tokens"
         f" = {plan.max_concurrency} full-length sequences"
@@ -92,9 +93,9 @@ def _plan_artifact(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0
     print(f"artifact: {args.model} ({info.model.get('architecture')})")
-    print(plan.render_table())
+    print(plan_table(plan))
     print()
-    print(plan.render_terms())
+    print(terms_table(plan))
     return 0
 
 

@@ -30,9 +30,8 @@ from kvroom.model_spec import ModelSpec
 from kvroom.plan.buffers import runtime_buffer_bytes
 from kvroom.plan.kv import describe_kv_groups, kv_bytes_per_block, sliding_window_bytes
 from kvroom.plan.measured import MeasuredTerms
-from kvroom.plan.sharing import shared_prefix_row
 from kvroom.plan.weights import weight_bytes
-from kvroom.units import format_bytes, mib
+from kvroom.units import mib
 
 
 @dataclass(frozen=True)
@@ -211,97 +210,6 @@ class MemoryPlan:
             f"max concurrency at max_seq_len: {self.max_concurrency}"
         )
         return f"{line}; pin with --kvcache-num-blocks {self.num_blocks}" if pin_hint else line
-
-    def render_table(self) -> str:
-        """The breakdown, one figure per line, as printed by ``kvroom plan``."""
-        fraction = self.kvcache_memory_fraction
-        measured = self.runtime_bytes if self.measured else self.measured_runtime_bytes
-        rows = [
-            (
-                f"device memory ({self.device}, {self.device_memory_source})",
-                format_bytes(self.device_memory_bytes),
-            ),
-            (
-                f"x kvcache_memory_fraction {fraction:g}",
-                format_bytes(int(self.device_memory_bytes * fraction)),
-            ),
-            ("- kvcache_reserve_memory", format_bytes(self.kvcache_reserve_bytes)),
-            ("= usable", format_bytes(self.usable_bytes)),
-            ("- weights", format_bytes(self.weight_bytes)),
-            ("- runtime buffers (formula)", format_bytes(self.runtime_buffer_bytes)),
-            ("- runtime buffers (measured)", "-" if measured is None else format_bytes(measured)),
-            ("- sliding-window KV (fixed)", format_bytes(self.sliding_window_bytes_per_rank)),
-            ("= KV budget", format_bytes(self.kv_budget_bytes)),
-            (
-                f"/ bytes per block ({self.kvcache_block_size} tokens, {self.kv_dtype})",
-                format_bytes(self.kv_bytes_per_block_per_rank),
-            ),
-            ("= blocks that fit", str(self.num_fit_blocks)),
-            (f"blocks for one full sequence ({self.max_seq_len} tokens)", str(self.num_min_blocks)),
-            (f"blocks for batch_size={self.batch_size} full sequences", str(self.num_full_blocks)),
-            ("estimated kvcache_num_blocks", str(self.estimated_num_blocks)),
-            (f"chosen kvcache_num_blocks ({self.num_blocks_source})", str(self.num_blocks)),
-            ("KV pool", f"{self.num_tokens} tokens, {format_bytes(self.kv_bytes)}"),
-            ("max concurrency at max_seq_len", str(self.max_concurrency)),
-            shared_prefix_row(
-                num_blocks=self.num_blocks,
-                block_size=self.kvcache_block_size,
-                max_seq_len=self.max_seq_len,
-                batch_size=self.batch_size,
-                has_sliding_layers=self.sliding_window_bytes > 0,
-            ),
-            ("total at peak: kvroom run / LLM", format_bytes(self.total_bytes)),
-            ("total at peak: kvroom serve", format_bytes(self.serve_total_bytes)),
-        ]
-        if self.vision_bytes:
-            budget = rows.index(("= KV budget", format_bytes(self.kv_budget_bytes)))
-            rows.insert(
-                budget, ("- vision encoder + cache (fixed)", format_bytes(self.vision_bytes))
-            )
-        rows += self._kv_group_rows()
-        width = max(len(label) for label, _ in rows)
-        lines = [f"{label:<{width}}  {value:>14}" for label, value in rows]
-        if self.tensor_parallel_size > 1:
-            lines.insert(0, f"(bytes per rank of tensor_parallel_size={self.tensor_parallel_size})")
-        return "\n".join(lines)
-
-    def _kv_group_rows(self) -> list[tuple[str, str]]:
-        """One row per pool tensor, shown when the layers do not all keep one KV shape."""
-        groups = self.kv_groups
-        if len(groups) <= 1 and not any("K=V" in g or "share" in g for g in groups):
-            return []
-        return [(f"KV pool tensor {i + 1}", g) for i, g in enumerate(groups)]
-
-    def render_terms(self) -> str:
-        """Non-KV memory at the peak, the formula and the measured terms side by side."""
-        m = self.measured
-        rows: list[tuple[str, str, str]] = [
-            ("weights (parameters x dtype bytes)", format_bytes(self.weight_bytes), "-"),
-            ("runtime buffers (formula)", format_bytes(self.runtime_buffer_bytes), "-"),
-        ]
-        rows += [(label, "-", format_bytes(v)) for label, v in (m.rows() if m else [])]
-        fixed = m.fixed_bytes(serve=False) if m else None
-        rows.append(
-            (
-                "= besides KV, at the run peak",
-                format_bytes(self.weight_bytes + self.runtime_buffer_bytes),
-                "-" if fixed is None else format_bytes(fixed),
-            )
-        )
-        rows.append(("+ KV pool", format_bytes(self.kv_bytes), format_bytes(self.kv_bytes)))
-        rows.append(
-            (
-                "= total at peak (kvroom run / LLM)",
-                format_bytes(self.formula_total_bytes),
-                format_bytes(self.total_bytes) if m else "-",
-            )
-        )
-        if m:
-            error = 100.0 * (self.formula_total_bytes - self.total_bytes) / self.total_bytes
-            rows.append(("formula vs measured", f"{error:+.1f}%", ""))
-        width = max(len(r[0]) for r in rows)
-        head = f"{'non-KV memory at peak':<{width}}  {'formula':>12}  {'measured':>12}"
-        return "\n".join([head] + [f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows])
 
     DERIVED_KEYS: ClassVar[tuple[str, ...]] = (
         "total_bytes",
