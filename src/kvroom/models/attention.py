@@ -80,6 +80,10 @@ class PrefillGroup:
     """Sliding only: step rows whose K/V are stored after attention (last ``min(C, W)``)."""
     write_dst: torch.Tensor | None = None
     """Sliding only: flat ring entries those rows go to."""
+    starts: torch.Tensor | None = None
+    """Full only: ``[B]`` int64 first position of each chunk (the native kernel's input)."""
+    q_lens: torch.Tensor | None = None
+    """Full only: ``[B]`` int64 tokens of each chunk."""
     fresh: bool = False
     """Full only: every chunk starts at position 0, so its keys are its own K/V: attention
     reads them from the step (no gather from the pool) under SDPA's causal mask, ``mask``
@@ -135,12 +139,8 @@ def paged_attention(
         if batch.sliding:
             parts.append(_prefill_sliding(q[td:], kv, flat, pre, scale, softcap))
             _store(flat, pre.write_dst, kv.index_select(0, pre.write_src))
-        elif pre.fresh:
-            keys = _padded(_as_stored(kv[pre.row_start :], flat.dtype), pre)
-            parts.append(_prefill(q[td:], keys, pre, scale, softcap, causal=True))
         else:
-            keys = _select(cache, pre.kv_index, q.dtype)
-            parts.append(_prefill(q[td:], keys, pre, scale, softcap))
+            parts.append(_prefill_full(q[td:], kv, cache, pre, scale, softcap))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -207,6 +207,28 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _prefill_full(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    g: PrefillGroup,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Full-attention chunks, whose K/V are stored already: the native kernel reads every key
+    in place from the pool; else SDPA over the step's own K/V (``fresh``) or the gathered
+    blocks under the causal mask."""
+    if g.starts is not None and g.q_lens is not None and softcap is None:
+        out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
+        if out is not None:
+            return out
+    if g.fresh:
+        keys = _padded(_as_stored(kv[g.row_start :], cache.dtype), g)
+        return _prefill(q, keys, g, scale, softcap, causal=True)
+    keys = _select(cache, g.kv_index, q.dtype)
+    return _prefill(q, keys, g, scale, softcap)
 
 
 def _prefill(

@@ -99,10 +99,15 @@ class _Builder:
         if self.pre:
             ends = [c.start_pos + c.q_len for c in self.pre]
             kv_index = _block_rows(self.pre, ends, bs)
-            if all(c.start_pos == 0 for c in self.pre):
-                prefill = self._prefill_group(kv_index, None, fresh=True)  # SDPA's causal mask
+            chunks = {
+                "starts": torch.tensor([c.start_pos for c in self.pre], dtype=torch.long),
+                "q_lens": torch.tensor([c.q_len for c in self.pre], dtype=torch.long),
+            }
+            if all(c.start_pos == 0 for c in self.pre):  # SDPA's causal mask
+                prefill = self._prefill_group(kv_index, None, fresh=True, **chunks)
             else:
-                prefill = self._prefill_group(kv_index, self._causal(kv_index.shape[1] * bs))
+                allowed = self._causal(kv_index.shape[1] * bs)
+                prefill = self._prefill_group(kv_index, allowed, **chunks)
         write = torch.tensor(slots, dtype=torch.long)
         return KindBatch(sliding=False, write_index=write, decode=decode, prefill=prefill)
 
