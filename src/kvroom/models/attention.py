@@ -217,10 +217,12 @@ def _prefill_full(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Full-attention chunks, whose K/V are stored already: the native kernel reads every key
-    in place from the pool; else SDPA over the step's own K/V (``fresh``) or the gathered
-    blocks under the causal mask."""
-    if g.starts is not None and g.q_lens is not None and softcap is None:
+    """Full-attention chunks, whose K/V are stored already. Fresh chunks: SDPA over the step's
+    own K/V under its causal mask (torch's flash kernel measured ~20% faster than the native
+    one on a whole prompt). Chunks with cached context: the native kernel reads every key in
+    place from the pool (no gather, no mask tensor), else SDPA over the gathered blocks
+    under the causal mask."""
+    if not g.fresh and g.starts is not None and g.q_lens is not None and softcap is None:
         out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
         if out is not None:
             return out
