@@ -1,6 +1,7 @@
-"""Prefill attention of one fresh prompt, both paths in one run: gathered from the pool under a
-mask tensor (a chunk with cached context) vs the step's own K/V under SDPA's causal mask (a
-chunk that starts its sequence, ``PrefillGroup.fresh``).
+"""Prefill attention of one fresh prompt, three paths in one run: gathered from the pool under a
+mask tensor (torch, a chunk with cached context), the step's own K/V under SDPA's causal mask
+(torch, ``PrefillGroup.fresh``), and the native kernel reading K/V in place from the blocks
+(``kernels.ops.prefill_attention``, where it is built).
 
     python benchmarks/prefill_attention.py [--tokens 1500] [--repeats 5]
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import torch
 
 from kvroom.models.attention import KindBatch, PrefillGroup, paged_attention
+from kvroom.models.kernels import cpu_kernels
 
 
 def main() -> None:
@@ -38,20 +41,29 @@ def main() -> None:
     mask = torch.zeros(1, 1, t, keys).masked_fill_(~allowed, float("-inf"))
     gathered = PrefillGroup(0, 1, t, None, torch.arange(num_blocks)[None], mask)
     fresh = dataclasses.replace(gathered, mask=None, fresh=True)
+    chunk = {"starts": torch.tensor([0]), "q_lens": torch.tensor([t])}
+    native = dataclasses.replace(fresh, **chunk)
+    paths = [("gathered + mask", gathered), ("fresh, causal", fresh)]
+    if cpu_kernels().native:
+        paths.append(("native, in place", native))
 
     def run(group: PrefillGroup) -> torch.Tensor:
         batch = KindBatch(sliding=False, write_index=torch.arange(t), decode=None, prefill=group)
         return paged_attention(q, kv, cache, batch, d**-0.5)
 
-    diff = (run(gathered) - run(fresh)).abs().max().item()
+    ref = run(gathered)
+    diff = max((run(group) - ref).abs().max().item() for _, group in paths)
+    flops = 4 * t * (t + 1) / 2 * args.heads * d
     print(f"{t} tokens, {args.heads}/{args.kv_heads} heads x {d}; max |difference| {diff:.1e}")
-    for _ in range(2):  # alternate, so both see the same machine
-        for name, group in (("gathered + mask", gathered), ("fresh, causal", fresh)):
+    print(f"causal attention: {flops / 1e9:.2f} GFLOP per layer; load {os.getloadavg()[0]:.1f}")
+    for _ in range(2):  # alternate, so all see the same machine
+        for name, group in paths:
             start = time.perf_counter()
             for _ in range(args.repeats):
                 run(group)
             ms = (time.perf_counter() - start) / args.repeats * 1e3
-            print(f"  {name:<16} {ms:7.1f} ms per layer")
+            rate = flops / ms / 1e6
+            print(f"  {name:<16} {ms:7.1f} ms per layer ({rate:.0f} GFLOP/s causal)")
 
 
 if __name__ == "__main__":

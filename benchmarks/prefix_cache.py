@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import RequestTiming, percentiles, start_server  # noqa: E402
+from sse_client import RequestTiming, one_request, percentiles, start_server  # noqa: E402
 
 
 def prompt_ids(system: list[int], index: int) -> list[int]:
@@ -40,31 +40,6 @@ def prompt_ids(system: list[int], index: int) -> list[int]:
 
 def system_prompt(num_tokens: int, seed: int) -> list[int]:
     return [100 + (seed * 7919 + k * 131) % 20000 for k in range(num_tokens)]
-
-
-async def one_request(http: httpx.AsyncClient, prompt: list[int], max_tokens: int):
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    timing = RequestTiming(start=time.perf_counter())
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                timing.chunk_times.append(time.perf_counter())
-            if chunk.get("usage"):
-                timing.completion_tokens = chunk["usage"]["completion_tokens"]
-    return timing
 
 
 async def run_clients(url: str, prompts: list[list[int]], clients: int, max_tokens: int):

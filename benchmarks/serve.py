@@ -22,17 +22,17 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
-import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sse_client import RequestTiming, one_request, percentiles, start_server  # noqa: E402
 
 PROMPTS = [
     "Explain why the sky is blue.",
@@ -52,22 +52,6 @@ PROMPTS = [
     "What makes a good friend?",
     "Explain how vaccines work.",
 ]
-ADDRESS = re.compile(r"kvroom serve: serving .* on (http://127\.0\.0\.1:\d+) ")
-
-
-@dataclass
-class RequestTiming:
-    start: float
-    chunk_times: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.chunk_times[0] - self.start
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
 @dataclass
@@ -82,13 +66,6 @@ class LevelResult:
     @property
     def output_tokens(self) -> int:
         return sum(t.completion_tokens for t in self.timings)
-
-
-def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> list[float]:
-    if len(values) < 2:
-        return [values[0] if values else float("nan")] * len(qs)
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return [cuts[q - 1] for q in qs]
 
 
 def workload(num_requests: int) -> list[str]:
@@ -146,58 +123,6 @@ def torch_threads(n: int) -> None:
 
 
 # -- online --------------------------------------------------------------------------------
-
-
-def start_server(
-    artifact: str, extra: list[str], env: list[str], log_path: Path
-) -> tuple[subprocess.Popen, str]:
-    argv = [sys.executable, "-m", "kvroom", "serve", artifact, "--host", "127.0.0.1"]
-    argv += ["--port", "0", "--no-access-log", *extra]
-    environ = {**os.environ, **dict(item.split("=", 1) for item in env)}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environ)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        match = ADDRESS.search(log_path.read_text(errors="replace"))
-        if match and _healthy(match.group(1)):
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server did not start:\n{log_path.read_text()}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False  # bound but not listening yet
-
-
-async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestTiming:
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    timing = RequestTiming(start=time.perf_counter())
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                timing.chunk_times.append(time.perf_counter())
-            if chunk.get("usage"):
-                timing.completion_tokens = chunk["usage"]["completion_tokens"]
-    return timing
 
 
 async def run_level(url: str, prompts: list[str], concurrency: int, args: argparse.Namespace):

@@ -4,9 +4,9 @@
     --vllm-python /path/to/vllm-env/bin/python [--repeats 3] [--json PATH]
 
 Per artifact, vLLM runs offline (``vllm.LLM(**args)``, ``args`` from
-``kvroom.integrations.vllm.prepare``, so its pool is the plan's; prefix caching off, as kvroom
-has none) in a subprocess of its own interpreter that stays up between runs. Workloads, greedy
-and EOS ignored, as token ids:
+``kvroom.integrations.vllm.prepare``, so its pool is the plan's; prefix caching off in both
+engines, so no repeat reuses an earlier run's blocks) in a subprocess of its own interpreter
+that stays up between runs. Workloads, greedy and EOS ignored, as token ids:
 
 * ``batch``: ``kvroom.bench.chat_prompts`` x ``--new-tokens`` (32 x 64), tokens/s;
 * ``single``: one chat prompt x 128 tokens, tokens/s;
@@ -201,7 +201,7 @@ def run_kvroom(llm: LLM, w: dict[str, Any]) -> tuple[float, list[list[int]]]:
 def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Every workload on both engines, alternating, for one artifact."""
     launch = prepare(artifact, enable_prefix_caching=False)
-    llm = LLM(artifact)
+    llm = LLM(artifact, enable_prefix_caching=False)  # as vLLM runs here: no reuse between runs
     loads = workloads(llm, args.num_requests, args.new_tokens)
     peer = VllmPeer(args.vllm_python, launch, loads)
     secs: dict[str, dict[str, list[float]]] = {n: {"vllm": [], "kvroom": []} for n in loads}

@@ -72,5 +72,77 @@ def test_the_choice_is_described_in_one_line() -> None:
     text = CpuKernels(isa="avx2", bf16_packed=False, native=True).describe()
     assert text == (
         "CPU kernels: avx2; bf16 projections: fp32 GEMM on widened bf16 weights; "
-        "native paged decode attention"
+        "native paged decode and prefill attention, fused SiLU-GLU"
     )
+
+
+def _prefill_case(dtype, kv_dtype, heads, kv_heads, d, chunks):
+    """Chunks ``(start, q_len)`` over scattered pool blocks, their K/V stored as the model does."""
+    gen = torch.Generator().manual_seed(2)
+    unit, units = 4, 200
+    cache = torch.randn(units, unit, 2, kv_heads, d, generator=gen).to(kv_dtype)
+    ends = [s + n for s, n in chunks]
+    n = max(-(-e // unit) for e in ends)
+    tables = torch.randperm(units, generator=gen)[: len(chunks) * n].view(len(chunks), n)
+    tp = sum(q for _, q in chunks)
+    qkv = torch.randn(tp, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q = qkv[:, : heads * d].view(tp, heads, d)  # strided rows, as in the model
+    return q, cache, tables.contiguous(), chunks
+
+
+def _prefill_reference(q, cache, tables, chunks, scale):
+    """Per chunk: gather its keys, SDPA under the causal mask with its offset, in float64."""
+    outs, row = [], 0
+    kvh = cache.shape[3]
+    for b, (start, n) in enumerate(chunks):
+        keys = cache[tables[b]].reshape(-1, 2, kvh, cache.shape[4])[: start + n].double()
+        k, v = keys[:, 0].transpose(0, 1), keys[:, 1].transpose(0, 1)
+        qb = q[row : row + n].double().transpose(0, 1)
+        group = qb.shape[0] // kvh
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+        scores = (qb @ k.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1))
+        row += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "atol"),
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.float32, torch.bfloat16, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 2e-2),
+    ],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 8), (6, 2, 24)])
+def test_prefill_attention_matches_causal_attention(dtype, kv_dtype, atol, heads, kv_heads, d):
+    chunks = [(0, 37), (50, 19), (3, 2), (0, 70), (96, 33)]  # fresh and with cached context
+    q, cache, tables, chunks = _prefill_case(dtype, kv_dtype, heads, kv_heads, d, chunks)
+    starts = torch.tensor([s for s, _ in chunks])
+    q_lens = torch.tensor([n for _, n in chunks])
+    out = ops.prefill_attention(q, cache, tables, starts, q_lens, d**-0.5)
+    assert out is not None
+    ref = _prefill_reference(q, cache, tables, chunks, d**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+def test_prefill_attention_declines_head_dims_it_was_not_built_for() -> None:
+    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 2, 1, 6, [(0, 5)])
+    one = torch.tensor([0]), torch.tensor([5])
+    assert ops.prefill_attention(q, cache, tables, *one, 0.5) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 20), (40, 64)])
+def test_silu_mul_matches_torch(dtype, rows, inter) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gu = (torch.randn(rows, 2 * inter, generator=gen) * 30).to(dtype)  # far into both tails
+    gate, up = gu[:, :inter], gu[:, inter:]
+    ref = torch.nn.functional.silu(gate).mul_(up)
+    out = ops.silu_mul(gu)
+    assert out is not None
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
+    else:  # the same roundings as torch: at most one bf16 step apart
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-30, rtol=8e-3)

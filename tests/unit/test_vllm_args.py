@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -336,6 +337,36 @@ def test_cli_serve_engine_vllm_overrides_and_persists(default_art, tmp_path, cap
     assert "kvroom serve: persisted 2048 blocks to the artifact" in out
     assert main(["get", str(default_art)]) == 0
     assert capfd.readouterr().out.strip() == "2048"
+
+
+@pytest.mark.parametrize(
+    ("flag", "other"),
+    [
+        ("--no-enable-prefix-caching", "--enable-prefix-caching"),
+        ("--enable-prefix-caching", "--no-enable-prefix-caching"),
+    ],
+)
+def test_cli_serve_engine_vllm_passes_prefix_caching(default_art, tmp_path, capfd, flag, other):
+    """``--[no-]enable-prefix-caching`` reaches ``vllm serve``'s command line as vLLM spells it."""
+    python = fake_vllm(tmp_path, "65,536", "exit 0")
+    argv = ["serve", str(default_art), "--engine", "vllm", "--vllm-python", python, flag]
+    assert main([*argv, "--port", "8125"]) == 0
+    out, err = capfd.readouterr()
+    assert flag in out.split() and other not in out.split()  # what vLLM was given
+    assert flag in err.split()  # the "starting: ..." line shows it too
+
+
+def test_serve_command_leaves_prefix_caching_to_vllm_by_default(default_art) -> None:
+    """Without the flag vLLM keeps its default (on); with it, the command says so."""
+    plain = serve_command(prepare(default_art), python=sys.executable)
+    assert not any("prefix-caching" in part for part in plain)
+    off = serve_command(prepare(default_art, enable_prefix_caching=False), python=sys.executable)
+    assert off[4:] == [*plain[4:-4], "--no-enable-prefix-caching", *plain[-4:]]
+
+
+def test_vllm_args_command_prints_prefix_caching(default_art, capsys) -> None:
+    assert main(["vllm-args", str(default_art), "--no-enable-prefix-caching"]) == 0
+    assert capsys.readouterr().out.split()[-1] == "--no-enable-prefix-caching"
 
 
 def test_cli_serve_engine_vllm_mismatch_is_one_line_and_exit_2(default_art, tmp_path, capfd):

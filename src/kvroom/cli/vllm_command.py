@@ -12,7 +12,7 @@ import shlex
 import sys
 from typing import Any
 
-from kvroom.cli.options import add_startup_flags, config_overrides
+from kvroom.cli.options import add_prefix_caching_flag, add_startup_flags, config_overrides
 from kvroom.integrations.vllm import POOLS, VllmLaunch, cli_flags, prepare
 from kvroom.integrations.vllm_serve import child_env, display, run_vllm_serve, serve_command
 
@@ -28,6 +28,7 @@ def add_vllm_args_command(sub: Any) -> None:
     )
     add_vllm_flags(p)
     add_startup_flags(p)
+    add_prefix_caching_flag(p)
     p.set_defaults(func=cmd_vllm_args)
 
 
@@ -59,9 +60,16 @@ def add_vllm_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def launch_for(args: argparse.Namespace) -> VllmLaunch:
-    """The ``VllmLaunch`` for the parsed command line (start-up overrides included)."""
+    """The ``VllmLaunch`` for the parsed command line (start-up overrides included).
+
+    ``--[no-]enable-prefix-caching``, when given, is passed on as vLLM's own
+    ``enable_prefix_caching``; without it vLLM keeps its default (on, as kvroom's).
+    """
     overrides = config_overrides(args)
     device = overrides.pop("device", None)
+    caching = getattr(args, "enable_prefix_caching", None)
+    if caching is not None:
+        overrides["enable_prefix_caching"] = caching
     return prepare(
         args.artifact,
         device=device,
@@ -86,7 +94,8 @@ def serve_with_vllm(args: argparse.Namespace, launch: VllmLaunch | None = None) 
     its log, stop it when its KV line disagrees with the plan. Returns vLLM's exit code.
 
     Reads ``artifact``, ``host``, ``port``, ``served_model_name``, ``vllm_python``,
-    ``vllm_block_size``, ``vllm_pool``, ``device`` and the start-up flags from ``args``; the
+    ``vllm_block_size``, ``vllm_pool``, ``device``, ``enable_prefix_caching`` and the start-up
+    flags from ``args``; the
     ones missing take their defaults. ``launch``, when given, is ``launch_for(args)`` already
     computed.
     """

@@ -8,7 +8,7 @@ the layer loop only consumes them. The storage layout the indices address is dra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -103,12 +103,16 @@ class _Builder:
             decode = self._decode_group(lens, _block_rows(self.dec, lens, bs), bs)
         prefill = None
         if self.pre:
-            if all(c.start_pos == 0 for c in self.pre):
-                ends = [c.q_len for c in self.pre]
-                kv_index = _block_rows(self.pre, ends, bs)
-                prefill = self._fresh_group(kv_index)  # SDPA's causal mask
+            ends = [c.start_pos + c.q_len for c in self.pre]
+            kv_index = _block_rows(self.pre, ends, bs)
+            chunks = {
+                "starts": torch.tensor([c.start_pos for c in self.pre], dtype=torch.long),
+                "q_lens": torch.tensor([c.q_len for c in self.pre], dtype=torch.long),
+            }
+            if all(c.start_pos == 0 for c in self.pre):  # SDPA's causal mask
+                prefill = self._prefill_group(kv_index, fresh=True, **chunks)
             else:
-                prefill = self._chunked_prefill(bs)
+                prefill = self._prefill_group(kv_index, chunks=self._full_chunks(bs), **chunks)
         write = torch.tensor(slots, dtype=torch.long)
         return KindBatch(sliding=False, write_index=write, decode=decode, prefill=prefill)
 
@@ -138,42 +142,28 @@ class _Builder:
             mask = _additive(keep[:, None, None, :], self.dtype)
         return DecodeGroup(len(lens), kv_index, kv_len, mask, start, torch.tensor(lens))
 
-    def _chunked_prefill(self, bs: int) -> PrefillGroup:
-        """Some chunk has cached context: each chunk is attended on its own (``chunks``)."""
+    def _full_chunks(self, bs: int) -> tuple[PrefillChunk, ...]:
+        """Each chunk with the blocks of its own context (for the paths that gather)."""
         chunks, row = [], 0
         for c in self.pre:
             end = c.start_pos + c.q_len
             index = torch.tensor([c.block_table[: -(-end // bs)]], dtype=torch.long)
-            mask = None
-            if c.start_pos:
-                # query j sees cached positions <= start + j
-                q_pos = c.start_pos + torch.arange(c.q_len)[:, None]
-                mask = _additive((torch.arange(end)[None, :] <= q_pos)[None, None], self.dtype)
-            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, end, index, mask))
+            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, end, index))
             row += c.q_len
-        return PrefillGroup(
-            row_start=self.num_decode,
-            num_seqs=len(self.pre),
-            max_q_len=self.max_q,
-            pad_index=None,
-            kv_index=None,
-            chunks=tuple(chunks),
-        )
+        return tuple(chunks)
 
-    def _fresh_group(self, kv_index: torch.Tensor) -> PrefillGroup:
-        """Every chunk at position 0: padded to ``[B, max_q_len]``, no mask tensor."""
+    def _prefill_group(self, kv_index: torch.Tensor | None, **extra: Any) -> PrefillGroup:
         return PrefillGroup(
             row_start=self.num_decode,
             num_seqs=len(self.pre),
             max_q_len=self.max_q,
             pad_index=self.pad_index,
             kv_index=kv_index,
-            fresh=True,
+            **extra,
         )
 
     def _sliding_prefill(self, w: int) -> PrefillGroup:
-        """Per chunk (``chunks``), keys = its old ring entries (oldest first) then its own
-        tokens.
+        """Per chunk, keys = its old ring entries (oldest first) then its own tokens.
 
         ::
 
@@ -184,14 +174,9 @@ class _Builder:
         chunks, row = [], 0
         for c in self.pre:
             n_old = min(c.start_pos, w - 1)
-            q = torch.arange(c.q_len)[:, None]
-            old_ok = torch.arange(n_old)[None, :] - n_old > q - w
-            k = torch.arange(c.q_len)[None, :]
-            allowed = torch.cat([old_ok, (k <= q) & (q - k < w)], dim=1)
             old = [c.sliding_slot * w + (c.start_pos - n_old + i) % w for i in range(n_old)]
             index = torch.tensor([old], dtype=torch.long) if n_old else None
-            mask = _additive(allowed[None, None], self.dtype)
-            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, n_old + c.q_len, index, mask))
+            chunks.append(PrefillChunk(row, c.q_len, c.start_pos, n_old + c.q_len, index, w))
             row += c.q_len
         src, dst, row = [], [], self.num_decode
         for c in self.pre:
@@ -199,16 +184,8 @@ class _Builder:
                 src.append(row + p - c.start_pos)
                 dst.append(c.sliding_slot * w + p % w)
             row += c.q_len
-        return PrefillGroup(
-            row_start=self.num_decode,
-            num_seqs=len(self.pre),
-            max_q_len=self.max_q,
-            pad_index=None,
-            kv_index=None,
-            write_src=torch.tensor(src),
-            write_dst=torch.tensor(dst),
-            chunks=tuple(chunks),
-        )
+        writes = {"write_src": torch.tensor(src), "write_dst": torch.tensor(dst)}
+        return self._prefill_group(None, chunks=tuple(chunks), **writes)
 
 
 def _block_rows(chunks: Sequence[SeqChunk], lens: list[int], bs: int) -> torch.Tensor:

@@ -177,10 +177,10 @@ def _attend_chunks(
             qc,
             k,
             values.transpose(1, 2),
-            attn_mask=c.mask,
+            attn_mask=c.mask(q.dtype),
             scale=scale,
             enable_gqa=h != values.shape[2],
-            is_causal=c.mask is None,
+            is_causal=c.start_pos == 0,
         )
         outs.append(out.transpose(1, 2).reshape(c.q_len, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -128,6 +128,8 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
     slower as a GEMV input on CPU). The caller adds ``down`` straight into the residual.
     """
     gu = matmul(x, gate_up)
+    if act == "silu" and (fused := native.silu_mul(gu)) is not None:
+        return fused
     inter = gu.shape[-1] // 2
     gate, up = gu[:, :inter], gu[:, inter:]
     out = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")

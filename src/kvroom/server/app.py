@@ -300,8 +300,8 @@ def serve(
     """
     config = uvicorn.Config(
         app,
-        loop="asyncio",
-        http="h11",
+        loop="auto",  # uvloop and httptools where installed: a streamed token costs the
+        http="auto",  # event loop less than asyncio's pure-Python loop and h11's framing
         lifespan="on",
         access_log=access_log,
         timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]

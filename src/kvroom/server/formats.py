@@ -62,8 +62,26 @@ class FinalChoice:
     """Chat: no content besides the calls (``"content": null``)."""
 
 
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one stream chunk brings to one choice."""
+
+    index: int
+    text: str
+    entries: list[Entry]
+    """The new tokens with their logprobs (empty when none were asked)."""
+    offset: int
+    """Text length already sent for this choice (the next ``text_offset``)."""
+    finish_reason: str | None
+    tool_calls: Sequence[ToolCallDelta] = ()
+    """Chat alone streams ``tool_calls``."""
+
+
 class CompletionFormat:
     """Builds ``/v1/completions`` bodies and stream chunks for one request."""
+
+    chunk_model: type[BaseModel] = CompletionResponse
+    """The stream chunk's schema (completions stream ``text_completion`` objects)."""
 
     def __init__(
         self, request_id: str, model: str, token_text: TokenText, num_top: int | None
@@ -79,28 +97,23 @@ class CompletionFormat:
         """Chunks sent before the first token (none for completions)."""
         return []
 
-    def chunk(
-        self,
-        index: int,
-        delta: str,
-        entries: list[Entry],
-        offset: int,
-        finish: str | None,
-        tool_calls: Sequence[ToolCallDelta] = (),
-    ) -> BaseModel:
-        """One choice's delta; ``offset`` is the text length already sent for it (chat alone
-        streams ``tool_calls``)."""
-        logprobs = None if self.num_top is None else self._logprobs(entries, offset)
-        choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)
-        return self._response([choice], None)
+    def chunk(self, delta: StreamDelta) -> BaseModel:
+        """One choice's stream chunk."""
+        return self._envelope(self.chunk_model, [self._stream_choice(delta)], None)
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return self._response([], usage)
+        return self._envelope(self.chunk_model, [], usage)
 
     def response(self, choices: list[FinalChoice], usage: UsageInfo) -> BaseModel:
-        return self._response([self._choice(c) for c in choices], usage)
+        return self._envelope(CompletionResponse, [self._choice(c) for c in choices], usage)
 
-    def _choice(self, c: FinalChoice) -> CompletionChoice:
+    def _stream_choice(self, d: StreamDelta) -> BaseModel:
+        logprobs = None if self.num_top is None else self._logprobs(d.entries, d.offset)
+        return CompletionChoice(
+            index=d.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason
+        )
+
+    def _choice(self, c: FinalChoice) -> BaseModel:
         logprobs = None if c.entries is None else self._logprobs(c.entries, 0)
         return CompletionChoice(
             index=c.index,
@@ -147,56 +160,50 @@ class CompletionFormat:
         decoded = self.token_text(token_id)
         return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": decoded}
 
-    def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> BaseModel:
-        return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+    def _envelope(
+        self, model: type[BaseModel], choices: list[Any], usage: UsageInfo | None, **extra: Any
+    ) -> BaseModel:
+        """``model`` with this request's id, creation time and model name around ``choices``."""
+        return model(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            **extra,
         )
 
 
 class ChatFormat(CompletionFormat):
     """Builds ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role)."""
 
+    chunk_model = ChatCompletionChunk
+
     def opening(self, indexes: Sequence[int]) -> list[BaseModel]:
         delta = DeltaMessage(role="assistant", content="")
-        return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None) for i in indexes]
-
-    def chunk(
-        self,
-        index: int,
-        delta: str,
-        entries: list[Entry],
-        offset: int,
-        finish: str | None,
-        tool_calls: Sequence[ToolCallDelta] = (),
-    ) -> BaseModel:
-        logprobs = None if self.num_top is None else self._chat_logprobs(entries)
-        message = DeltaMessage(content=delta)
-        if tool_calls:
-            message = DeltaMessage(content=delta or None, tool_calls=_delta_calls(tool_calls))
-        choice = ChatStreamChoice(
-            index=index, delta=message, logprobs=logprobs, finish_reason=finish
-        )
-        return self._chunk([choice], None)
-
-    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return self._chunk([], usage)
+        choices = [[ChatStreamChoice(index=i, delta=delta)] for i in indexes]
+        return [self._envelope(self.chunk_model, c, None) for c in choices]
 
     def response(self, choices: list[FinalChoice], usage: UsageInfo) -> BaseModel:
-        return ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=_message(c),
-                    logprobs=None if c.entries is None else self._chat_logprobs(c.entries),
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
-            usage=usage,
-            prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs if choices else None),
+        prompt_logprobs = self.prompt_logprobs(choices[0].prompt_logprobs if choices else None)
+        out = [self._choice(c) for c in choices]
+        return self._envelope(ChatCompletionResponse, out, usage, prompt_logprobs=prompt_logprobs)
+
+    def _stream_choice(self, d: StreamDelta) -> BaseModel:
+        logprobs = None if self.num_top is None else self._chat_logprobs(d.entries)
+        message = DeltaMessage(content=d.text)
+        if d.tool_calls:
+            message = DeltaMessage(content=d.text or None, tool_calls=_delta_calls(d.tool_calls))
+        return ChatStreamChoice(
+            index=d.index, delta=message, logprobs=logprobs, finish_reason=d.finish_reason
+        )
+
+    def _choice(self, c: FinalChoice) -> BaseModel:
+        return ChatChoice(
+            index=c.index,
+            message=_message(c),
+            logprobs=None if c.entries is None else self._chat_logprobs(c.entries),
+            finish_reason=c.finish_reason,
         )
 
     def _chat_logprobs(self, entries: list[Entry]) -> ChatLogprobs:
@@ -217,11 +224,6 @@ class ChatFormat(CompletionFormat):
             token=token,
             logprob=max(logprob, MIN_LOGPROB),
             bytes=list(token.encode("utf-8", errors="replace")),
-        )
-
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None) -> BaseModel:
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
 

@@ -87,11 +87,16 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceBase(BaseModel):
+    """What a chat choice has in a whole response and in a stream chunk alike."""
+
     index: int = 0
-    message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+
+
+class ChatChoice(_ChatChoiceBase):
+    message: AssistantMessage
 
 
 class ChatCompletionResponse(_Response):
@@ -122,11 +127,8 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int = 0
+class ChatStreamChoice(_ChatChoiceBase):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
 
 
 class ChatCompletionChunk(_Response):

@@ -32,7 +32,7 @@ from kvroom.server.async_engine import (
     EngineDeadError,
     RequestStream,
 )
-from kvroom.server.formats import CompletionFormat, Entry, FinalChoice
+from kvroom.server.formats import CompletionFormat, Entry, FinalChoice, StreamDelta
 from kvroom.server.metrics import ServerMetrics
 from kvroom.server.protocol import ApiError
 from kvroom.server.responses import UsageInfo
@@ -296,7 +296,9 @@ def _delta_chunk(job: Job, i: int, out: RequestOutput, sent: _Sent) -> BaseModel
     if reason == "stop" and sent.streamer is not None and sent.streamer.num_calls:
         reason = "tool_calls"
     index = job.choice_index(i)
-    chunk = job.fmt.chunk(index, prefix + delta, entries or [], sent.offset, reason, calls)
+    chunk = job.fmt.chunk(
+        StreamDelta(index, prefix + delta, entries or [], sent.offset, reason, calls)
+    )
     sent.offset += sum(len(job.fmt.token_text(t)) for t, _ in entries or ())
     return chunk
 

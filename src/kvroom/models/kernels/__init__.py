@@ -7,8 +7,9 @@
   bf16 reorder requires); on other CPUs (AVX2 only) oneDNN has no bf16 GEMM at all and torch's
   dense bf16 ``mm`` runs 10-100x slower than fp32, so the weights are widened to fp32 once at
   load and every projection computes in fp32 with bf16 inputs and outputs (2x weight memory).
-* the native kernels (``build.library``): paged decode attention reading K/V in place from the
-  blocks, and the fused residual add + RMSNorm; None means the torch paths.
+* the native kernels (``build.library``): paged decode and causal prefill attention reading K/V
+  in place from the blocks, the fused residual add + RMSNorm and SiLU-GLU; None means the
+  torch paths.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ class CpuKernels:
 
     def describe(self) -> str:
         bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
-        attn = "native paged decode attention" if self.native else "torch SDPA (no native kernels)"
+        attn = (
+            "native paged decode and prefill attention, fused SiLU-GLU"
+            if self.native
+            else "torch SDPA (no native kernels)"
+        )
         return f"CPU kernels: {self.isa}; bf16 projections: {bf16}; {attn}"
 
 

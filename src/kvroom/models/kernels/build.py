@@ -27,8 +27,9 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 1
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ABI_VERSION = 2
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS += ["-std=c++17"]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -85,6 +86,11 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
         i32,
     ]
     lib.kvroom_decode_attention.restype = i32
+    lib.kvroom_prefill_attention.argtypes = [ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr, ptr]
+    lib.kvroom_prefill_attention.argtypes += [i32, i32, i32, i32, i32, f32]
+    lib.kvroom_prefill_attention.restype = i32
+    lib.kvroom_silu_mul.argtypes = [ptr, ptr, i32, i64, i64, i32]
+    lib.kvroom_silu_mul.restype = i32
     lib.kvroom_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32]
     lib.kvroom_add_rms_norm.restype = i32
     return lib

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -147,6 +148,242 @@ void add_rms_norm(T* h, const T* delta, T* y, const T* w, int64_t rows, int64_t 
   }
 }
 
+
+// ---- Paged prefill attention: causal chunks, K/V read in place from the pool ----------------
+//
+//   q      [Tp, H, D] packed rows of B chunks, chunk b = q_lens[b] rows at positions
+//          starts[b] .. starts[b] + q_lens[b) - 1 (row stride q_stride)
+//   out    [Tp, H * D] contiguous
+//
+// The chunk's own K/V are in the pool already (stored before attention), so one path serves
+// a fresh prompt and a chunk with cached context alike: query at position p sees keys 0..p.
+// Work item = (chunk, kv head, tile of QT positions); its G query heads share every K/V tile.
+// Flash-style: keys in tiles of KT, repacked (K transposed) into a small float buffer, scores
+// by register-blocked FMAs, online softmax in float32, exact order (thread-independent).
+
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+constexpr int VW = 8;   // floats per vector
+constexpr int KT = 32;  // keys per tile (KT / VW vectors per score row)
+constexpr int QT = 32;  // query positions per work item
+
+inline vf vld(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vst(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vset(float x) { return vf{x, x, x, x, x, x, x, x}; }  // a broadcast (not 0 + x)
+
+// exp(x) (Cephes' expf polynomial, ~1 ulp); x below -87 gives exactly 0, above 88 exp(88).
+inline vf vexp(vf x) {
+  const vf lo = vset(-87.0f), hi = vset(88.0f);
+  vf xc = x < lo ? lo : (x > hi ? hi : x);
+  vf fx = xc * 1.44269504088896341f + 12582912.0f;
+  fx = fx - 12582912.0f;  // round to nearest
+  vf r = xc - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  vf y = vset(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3333452e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  vi n = __builtin_convertvector(fx, vi);
+  vf pow2 = (vf)((n + 127) << 23);
+  vf z = y * pow2;
+  return x < lo ? vf{} : z;
+}
+
+// s[NR rows][KT] = qf[NR rows][D] . kt[D][KT]
+template <int NR>
+inline void scores(const float* qf, int D, const float* kt, float* s) {
+  vf acc[NR][KT / VW] = {};
+  for (int d = 0; d < D; ++d) {
+    vf k[KT / VW];
+    for (int c = 0; c < KT / VW; ++c) k[c] = vld(kt + d * KT + c * VW);
+    for (int r = 0; r < NR; ++r) {
+      const vf a = vset(qf[r * D + d]);
+      for (int c = 0; c < KT / VW; ++c) acc[r][c] += a * k[c];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < KT / VW; ++c) vst(s + r * KT + c * VW, acc[r][c]);
+}
+
+// o[NR rows][NV vectors at dv] += p[NR rows][0..kn) . v[0..kn)[D]
+template <int NR, int NV>
+inline void accumulate(const float* p, int kn, const float* v, int D, float* o, int dv) {
+  vf acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = vld(o + r * D + dv + c * VW);
+  for (int t = 0; t < kn; ++t) {
+    vf x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = vld(v + t * D + dv + c * VW);
+    for (int r = 0; r < NR; ++r) {
+      const vf w = vset(p[r * KT + t]);
+      for (int c = 0; c < NV; ++c) acc[r][c] += w * x[c];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) vst(o + r * D + dv + c * VW, acc[r][c]);
+}
+
+template <int NR>
+inline void accumulate_rows(const float* p, int kn, const float* v, int D, float* o) {
+  int dv = 0;
+  for (; dv + 4 * VW <= D; dv += 4 * VW) accumulate<NR, 4>(p, kn, v, D, o, dv);
+  for (; dv < D; dv += VW) accumulate<NR, 1>(p, kn, v, D, o, dv);
+}
+
+struct PrefillShape {
+  int H, KVH, D, unit_len;
+  float scale;
+};
+
+template <typename Q, typename KV>
+void prefill_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
+                  int64_t start, int64_t row0, int r0, int nr, Q* out, int g,
+                  const PrefillShape& sh, std::vector<float>& buf) {
+  const int H = sh.H, KVH = sh.KVH, D = sh.D, G = H / KVH, M = nr * G;
+  buf.resize(static_cast<size_t>(M) * (2 * D + KT + 2) + 2 * KT * D);
+  float* qf = buf.data();  // [M][D], row m = r * G + j: position r0 + r, head g * G + j
+  float* o = qf + M * D;   // [M][D]
+  float* s = o + M * D;    // [M][KT]
+  float* mx = s + M * KT;  // [M]
+  float* l = mx + M;       // [M]
+  float* kt = l + M;       // [D][KT]
+  float* v = kt + KT * D;  // [KT][D]
+  for (int r = 0; r < nr; ++r)
+    for (int j = 0; j < G; ++j) {
+      const Q* src = q + (row0 + r0 + r) * q_stride + static_cast<int64_t>(g * G + j) * D;
+      float* dst = qf + (r * G + j) * D;
+      for (int i = 0; i < D; ++i) dst[i] = load(src[i]) * sh.scale;
+    }
+  std::memset(o, 0, sizeof(float) * M * D);
+  for (int m = 0; m < M; ++m) mx[m] = -INFINITY, l[m] = 0.f;
+  const int64_t first = start + r0, nkeys = first + nr;  // keys 0 .. last position of the tile
+  const int64_t row = 2LL * KVH * D;
+  for (int64_t k0 = 0; k0 < nkeys; k0 += KT) {
+    const int kn = static_cast<int>(nkeys - k0 < KT ? nkeys - k0 : KT);
+    for (int t = 0; t < KT; ++t) {
+      if (t >= kn) {
+        for (int d = 0; d < D; ++d) kt[d * KT + t] = 0.f;
+        continue;
+      }
+      const int64_t p = k0 + t;
+      const KV* src = cache + (table[p / sh.unit_len] * sh.unit_len + p % sh.unit_len) * row;
+      for (int d = 0; d < D; ++d) kt[d * KT + t] = load(src[g * D + d]);
+      for (int d = 0; d < D; ++d) v[t * D + d] = load(src[(KVH + g) * D + d]);
+    }
+    int m = 0;
+    for (; m + 3 <= M; m += 3) scores<3>(qf + m * D, D, kt, s + m * KT);
+    if (M - m == 2) scores<2>(qf + m * D, D, kt, s + m * KT);
+    if (M - m == 1) scores<1>(qf + m * D, D, kt, s + m * KT);
+    const bool masked = k0 + KT - 1 > first;  // some key may lie after some query
+    for (m = 0; m < M; ++m) {
+      float* sr = s + m * KT;
+      const int64_t see = start + r0 + m / G - k0;  // keys t <= see are visible
+      if (masked)
+        for (int t = 0; t < KT; ++t)
+          if (t > see) sr[t] = -INFINITY;
+      vf top = vld(sr);
+      for (int c = 1; c < KT / VW; ++c) {
+        const vf x = vld(sr + c * VW);
+        top = x > top ? x : top;
+      }
+      float best = mx[m];
+      for (int c = 0; c < VW; ++c) best = top[c] > best ? top[c] : best;
+      const float alpha = std::exp(mx[m] - best);  // 0 on the first tile (mx = -inf)
+      vf sum = {};
+      for (int c = 0; c < KT / VW; ++c) {
+        const vf e = vexp(vld(sr + c * VW) - best);
+        vst(sr + c * VW, e);
+        sum += e;
+      }
+      float total = 0.f;
+      for (int c = 0; c < VW; ++c) total += sum[c];
+      l[m] = l[m] * alpha + total;
+      mx[m] = best;
+      if (alpha != 1.f)
+        for (int d = 0; d < D; d += VW) vst(o + m * D + d, vld(o + m * D + d) * alpha);
+    }
+    for (m = 0; m + 3 <= M; m += 3) accumulate_rows<3>(s + m * KT, kn, v, D, o + m * D);
+    if (M - m == 2) accumulate_rows<2>(s + m * KT, kn, v, D, o + m * D);
+    if (M - m == 1) accumulate_rows<1>(s + m * KT, kn, v, D, o + m * D);
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int j = 0; j < G; ++j) {
+      const int m = r * G + j;
+      const float inv = 1.f / l[m];
+      Q* dst = out + (row0 + r0 + r) * static_cast<int64_t>(H) * D +
+               static_cast<int64_t>(g * G + j) * D;
+      for (int i = 0; i < D; ++i) store(dst + i, o[m * D + i] * inv);
+    }
+}
+
+template <typename Q, typename KV>
+void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
+             int64_t t_stride, const int64_t* starts, const int64_t* q_lens, Q* out, int B,
+             const PrefillShape& sh) {
+  struct Item {
+    int b, g, r0;
+    int64_t row0;
+  };
+  std::vector<Item> items;
+  int64_t row0 = 0;
+  for (int b = 0; b < B; ++b) {
+    for (int r0 = 0; r0 < q_lens[b]; r0 += QT)
+      for (int g = 0; g < sh.KVH; ++g) items.push_back({b, g, r0, row0});
+    row0 += q_lens[b];
+  }
+  // Longest items first (the last tiles of the longest contexts), so the dynamic schedule
+  // ends with short ones.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
+    return starts[x.b] + x.r0 > starts[y.b] + y.r0;
+  });
+  const int n = static_cast<int>(items.size());
+#pragma omp parallel if (n > 1)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) {
+      const Item& it = items[i];
+      const int nr = static_cast<int>(q_lens[it.b] - it.r0 < QT ? q_lens[it.b] - it.r0 : QT);
+      prefill_item(q, q_stride, cache, tables + it.b * t_stride, starts[it.b], it.row0, it.r0,
+                   nr, out, it.g, sh, buf);
+    }
+  }
+}
+
+// out[r, :] = silu(gu[r, :I]) * gu[r, I:], rounding where torch's silu then mul_ would.
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) {
+#pragma omp parallel for schedule(static) if (rows > serial_max)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    float gf[VW], uf[VW], y[VW];
+    int64_t i = 0;
+    if constexpr (sizeof(T) == 4) {  // float: whole vectors straight from the rows
+      for (; i + VW <= inter; i += VW) {
+        const vf x = vld(g + i);
+        vst(o + i, x / (1.0f + vexp(-x)) * vld(u + i));
+      }
+    }
+    for (; i < inter; i += VW) {
+      const int n = inter - i < VW ? static_cast<int>(inter - i) : VW;
+      for (int c = 0; c < VW; ++c) gf[c] = c < n ? load(g[i + c]) : 0.f;
+      for (int c = 0; c < VW; ++c) uf[c] = c < n ? load(u[i + c]) : 0.f;
+      const vf x = vld(gf);
+      vst(y, x / (1.0f + vexp(-x)));
+      for (int c = 0; c < n; ++c) store(o + i + c, rounded<T>(y[c]) * uf[c]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -187,6 +424,39 @@ int kvroom_add_rms_norm(void* h, const void* delta, void* y, const void* w, int 
   return 0;
 }
 
-int kvroom_abi_version() { return 1; }
+// Returns 0, or -1 where this kernel does not apply (dtypes, head_dim not a multiple of 8).
+int kvroom_prefill_attention(const void* q, int64_t q_stride, int q_dtype, const void* cache,
+                             int kv_dtype, const int64_t* tables, int64_t t_stride,
+                             const int64_t* starts, const int64_t* q_lens, void* out, int B,
+                             int H, int KVH, int D, int unit_len, float scale) {
+  if (D % VW != 0 || H % KVH != 0) return -1;
+  const PrefillShape sh{H, KVH, D, unit_len, scale};
+  if (q_dtype == 0 && kv_dtype == 0)
+    prefill(static_cast<const float*>(q), q_stride, static_cast<const float*>(cache), tables,
+            t_stride, starts, q_lens, static_cast<float*>(out), B, sh);
+  else if (q_dtype == 0 && kv_dtype == 1)
+    prefill(static_cast<const float*>(q), q_stride, static_cast<const uint16_t*>(cache), tables,
+            t_stride, starts, q_lens, static_cast<float*>(out), B, sh);
+  else if (q_dtype == 1 && kv_dtype == 1)
+    prefill(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(cache),
+            tables, t_stride, starts, q_lens, static_cast<uint16_t*>(out), B, sh);
+  else
+    return -1;
+  return 0;
+}
+
+int kvroom_silu_mul(const void* gu, void* out, int dtype, int64_t rows, int64_t inter,
+                    int serial_max) {
+  if (dtype == 0)
+    silu_mul(static_cast<const float*>(gu), static_cast<float*>(out), rows, inter, serial_max);
+  else if (dtype == 1)
+    silu_mul(static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), rows, inter,
+             serial_max);
+  else
+    return -1;
+  return 0;
+}
+
+int kvroom_abi_version() { return 2; }
 
 }  // extern "C"

@@ -57,6 +57,51 @@ def decode_attention(
     return out
 
 
+def prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """``[Tp, H * D]`` causal attention of packed prefill chunks over their pool blocks.
+
+    The chunks' own K/V must be stored already: query ``j`` of chunk ``b`` (position
+    ``starts[b] + j``) sees keys ``0 .. starts[b] + j`` read in place through ``tables[b]``, so a
+    fresh prompt and a chunk with cached context take the same path (no gather, no mask).
+
+    Args:
+        q: ``[Tp, H, D]`` queries, rows packed chunk after chunk (rows may be strided).
+        cache: the layer's pool ``[units, unit_len, 2, kv_heads, D]``, contiguous.
+        tables: ``[B, n]`` int64 pool units per chunk, contiguous.
+        starts: ``[B]`` int64 first position of each chunk.
+        q_lens: ``[B]`` int64 rows of each chunk (they sum to ``Tp``).
+    """
+    qd, kd = _DTYPES.get(q.dtype), _DTYPES.get(cache.dtype)
+    t, h, d = q.shape
+    if (
+        q.device.type != "cpu"
+        or qd is None
+        or kd is None
+        or (qd, kd) == (1, 0)
+        or q.stride(2) != 1
+        or q.stride(1) != d
+        or not cache.is_contiguous()
+        or not cpu_kernels().native
+    ):
+        return None
+    lib = library()
+    assert lib is not None
+    out = torch.empty(t, h * d, dtype=q.dtype)
+    rc = lib.kvroom_prefill_attention(
+        q.data_ptr(), q.stride(0), qd, cache.data_ptr(), kd, tables.data_ptr(), tables.stride(0),
+        starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), starts.shape[0], h, cache.shape[3],
+        d, cache.shape[1], scale,
+    )  # fmt: skip
+    return out if rc == 0 else None
+
+
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, eps: float, weight: torch.Tensor | None = None
 ) -> torch.Tensor | None:
@@ -83,3 +128,20 @@ def add_rms_norm(
     )  # fmt: skip
     assert rc == 0, f"kvroom_add_rms_norm returned {rc}"
     return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gu[:, :I]) * gu[:, I:]`` as a new ``[T, I]`` tensor in one pass (torch: a silu
+    over a strided view, then a multiply); None where the native kernel does not apply."""
+    dt = _DTYPES.get(gu.dtype)
+    if gu.device.type != "cpu" or dt is None or gu.dim() != 2 or not gu.is_contiguous():
+        return None
+    if not cpu_kernels().native:
+        return None
+    lib = library()
+    assert lib is not None
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gu.dtype)
+    rc = lib.kvroom_silu_mul(gu.data_ptr(), out.data_ptr(), dt, rows, inter, SERIAL_MAX_ITEMS)
+    assert rc == 0, f"kvroom_silu_mul returned {rc}"
+    return out
