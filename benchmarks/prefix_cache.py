@@ -1,18 +1,24 @@
-"""Prefix caching on vs off: a shared-system-prompt workload against ``kvroom serve``.
+"""Prefix caching on vs off, and vLLM: a shared-system-prompt workload, the same client.
 
     .venv/bin/python benchmarks/prefix_cache.py ARTIFACT [--clients 32] [--system-tokens 1024]
-        [--max-tokens 64] [--requests 64] [--json out.json]
+        [--max-tokens 64] [--requests 64] [--vllm-python /path/to/vllm-env/bin/python]
+        [--json out.json]
 
 Every request is one common system prompt of ``--system-tokens`` token ids followed by a short
 question of its own (token ids, so the prompt length is exact), streamed from
 ``/v1/completions`` with greedy sampling and EOS ignored (``--max-tokens`` tokens each) by
-``--clients`` closed-loop clients. The server is started twice on 127.0.0.1, one after the
-other: with prefix caching (the default) and with ``--no-enable-prefix-caching``. Each start is
-warmed up with a *different* system prompt and the cache reset (``POST
-/reset_prefix_cache``), so the measured run starts cold and only its own requests warm it.
+``--clients`` closed-loop clients. The servers take turns on 127.0.0.1, one at a time:
+``kvroom serve`` with prefix caching (the default), ``vllm serve`` on the same artifact and
+pool when ``--vllm-python`` is given (started as ``kvroom serve --engine vllm`` starts it; its
+prefix caching on, vLLM's default), and ``kvroom serve --no-enable-prefix-caching``. Each start
+is warmed up with a *different* system prompt and the cache reset (``POST
+/reset_prefix_cache``; vLLM gets ``VLLM_SERVER_DEV_MODE=1`` for it), so the measured run starts
+cold and only its own requests warm it.
 
-Reported per mode: time to first token (p50/p90/p99, client side), output tokens/s, requests/s,
-the server's ``kvroom_prefix_cache_{queries,hits}_total`` deltas, and the on/off ratios.
+Reported per server: time to first token (p50/p90/p99, client side), output tokens/s,
+requests/s, the server's prefix-cache query and hit deltas (tokens: kvroom's
+``kvroom_prefix_cache_*_total``, vLLM's ``vllm:prefix_cache_*_total``), the 1-minute load
+average around the run, and the ratios kvroom on / off and kvroom on / vLLM.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +36,23 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sse_client import RequestTiming, one_request, percentiles, start_server  # noqa: E402
+from sse_client import (  # noqa: E402
+    RequestTiming,
+    one_request,
+    percentiles,
+    start_server,
+    start_vllm_server,
+)
+
+MODEL = "bench"
+"""The served model name, the same on every server."""
+CACHE_METRICS = ("kvroom_prefix_cache_", "vllm:prefix_cache_")
+LABELS = {"on": "kvroom on", "off": "kvroom off", "vllm": "vllm"}
+VLLM_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores compute, as kvroom's (a loop shares them)
+    "OMP_WAIT_POLICY": "PASSIVE",  # kvroom's default
+}
 
 
 def prompt_ids(system: list[int], index: int) -> list[int]:
@@ -42,7 +65,9 @@ def system_prompt(num_tokens: int, seed: int) -> list[int]:
     return [100 + (seed * 7919 + k * 131) % 20000 for k in range(num_tokens)]
 
 
-async def run_clients(url: str, prompts: list[list[int]], clients: int, max_tokens: int):
+async def run_clients(
+    url: str, prompts: list[list[int]], clients: int, max_tokens: int, model: str
+) -> tuple[list[RequestTiming], float]:
     """``clients`` closed-loop clients over ``prompts``; (timings, wall seconds)."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
@@ -53,7 +78,7 @@ async def run_clients(url: str, prompts: list[list[int]], clients: int, max_toke
 
         async def client() -> None:
             while not queue.empty():
-                timings.append(await one_request(http, queue.get_nowait(), max_tokens))
+                timings.append(await one_request(http, queue.get_nowait(), max_tokens, model))
 
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
@@ -61,31 +86,42 @@ async def run_clients(url: str, prompts: list[list[int]], clients: int, max_toke
 
 
 def counters(url: str) -> dict[str, float]:
-    found = {}
+    """Prefix-cache queries and hits (tokens) from ``/metrics``: kvroom's or vLLM's names."""
+    found: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name = line.split(" ")[0]
-        if name in ("kvroom_prefix_cache_queries_total", "kvroom_prefix_cache_hits_total"):
-            found[name.removeprefix("kvroom_prefix_cache_").removesuffix("_total")] = float(
-                line.split()[-1]
-            )
+        name = line.split(" ")[0].split("{")[0]
+        for prefix in CACHE_METRICS:
+            if name in (f"{prefix}queries_total", f"{prefix}hits_total"):
+                key = name.removeprefix(prefix).removesuffix("_total")
+                found[key] = found.get(key, 0.0) + float(line.split()[-1])
     return found
 
 
-def measure(mode: str, args: argparse.Namespace, log_dir: Path) -> dict:
+def start(mode: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    """The server of ``mode``: kvroom with caching on or off, or vLLM (its default, on)."""
+    name = ["--served-model-name", MODEL]
+    if mode == "vllm":
+        env = dict(VLLM_ENV, **dict(item.split("=", 1) for item in args.vllm_env))
+        return start_vllm_server(args.artifact, args.vllm_python, name, env, log)
     flags = [] if mode == "on" else ["--no-enable-prefix-caching"]
-    proc, url = start_server(args.artifact, flags + args.server_arg, [], log_dir / f"{mode}.log")
+    return start_server(args.artifact, [*flags, *name, *args.server_arg], [], log)
+
+
+def measure(mode: str, args: argparse.Namespace, log_dir: Path) -> dict:
+    proc, url = start(mode, args, log_dir / f"{mode}.log")
+    load = os.getloadavg()[0]
     try:
         warm = [prompt_ids(system_prompt(args.system_tokens, seed=99), i) for i in range(4)]
-        asyncio.run(run_clients(url, warm, 4, 4))
+        asyncio.run(run_clients(url, warm, 4, 4, MODEL))
         httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
         system = system_prompt(args.system_tokens, seed=1)
         prompts = [prompt_ids(system, i) for i in range(args.requests)]
         before = counters(url)
-        timings, wall = asyncio.run(run_clients(url, prompts, args.clients, args.max_tokens))
+        timings, wall = asyncio.run(run_clients(url, prompts, args.clients, args.max_tokens, MODEL))
         after = counters(url)
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        proc.wait(180)
     tokens = sum(t.completion_tokens for t in timings)
     return {
         "mode": mode,
@@ -97,26 +133,34 @@ def measure(mode: str, args: argparse.Namespace, log_dir: Path) -> dict:
         "prompt_tokens": sum(len(p) for p in prompts),
         "cache_queries": after.get("queries", 0) - before.get("queries", 0),
         "cache_hits": after.get("hits", 0) - before.get("hits", 0),
+        "loadavg_1m_before_after": [load, os.getloadavg()[0]],
     }
 
 
 def report(rows: list[dict]) -> None:
     print(
-        f"{'caching':>7} {'reqs':>5} {'wall s':>7} {'tok/s':>7} {'req/s':>6} "
-        f"{'TTFT p50/p90/p99 ms':>22} {'hit tokens':>11}"
+        f"{'server':>10} {'reqs':>5} {'wall s':>7} {'tok/s':>7} {'req/s':>6} "
+        f"{'TTFT p50/p90/p99 ms':>22} {'hit tokens':>13} {'load 1m':>11}"
     )
     for r in rows:
         ttft = "/".join(f"{v:.0f}" for v in r["ttft_ms_p50_p90_p99"])
         hits = f"{r['cache_hits']:.0f}/{r['cache_queries']:.0f}"
+        load = "->".join(f"{v:.2f}" for v in r["loadavg_1m_before_after"])
         print(
-            f"{r['mode']:>7} {r['requests']:>5} {r['wall_s']:>7.1f} {r['output_tok_s']:>7.1f} "
-            f"{r['req_s']:>6.2f} {ttft:>22} {hits:>11}"
+            f"{LABELS[r['mode']]:>10} {r['requests']:>5} {r['wall_s']:>7.1f} "
+            f"{r['output_tok_s']:>7.1f} {r['req_s']:>6.2f} {ttft:>22} {hits:>13} {load:>11}"
         )
-    on, off = rows
-    print(
-        f"on/off: throughput x{on['output_tok_s'] / off['output_tok_s']:.2f}, "
-        f"TTFT p50 x{on['ttft_ms_p50_p90_p99'][0] / off['ttft_ms_p50_p90_p99'][0]:.2f}"
-    )
+    by_mode = {r["mode"]: r for r in rows}
+    for a, b in (("on", "off"), ("on", "vllm")):
+        if a in by_mode and b in by_mode:
+            print(f"{LABELS[a]} / {LABELS[b]}: {ratios(by_mode[a], by_mode[b])}")
+
+
+def ratios(a: dict, b: dict) -> str:
+    tput = a["output_tok_s"] / b["output_tok_s"]
+    (a50, a90, _), (b50, b90, _) = a["ttft_ms_p50_p90_p99"], b["ttft_ms_p50_p90_p99"]
+    p50, p90 = a50 / b50, a90 / b90
+    return f"throughput x{tput:.2f}, TTFT p50 x{p50:.2f}, p90 x{p90:.2f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,9 +170,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64, help="requests in all (default 64)")
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (EOS ignored)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra `serve` flag")
+    p.add_argument("--server-arg", action="append", default=[], help="extra kvroom `serve` flag")
+    p.add_argument(
+        "--vllm-python", default=None, help="python of a vLLM virtualenv: also run `vllm serve`"
+    )
+    p.add_argument(
+        "--vllm-env", action="append", default=[], help="KEY=VALUE for vLLM (over the defaults)"
+    )
+    p.add_argument(
+        "--modes", default=None, help="comma list of on, off, vllm (default: on, off[, vllm])"
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    default = "on,vllm,off" if args.vllm_python else "on,off"
+    args.modes = (args.modes or default).split(",")
+    if "vllm" in args.modes and not args.vllm_python:
+        p.error("--modes vllm needs --vllm-python")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvroom-prefix-bench-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    rows = [measure(mode, args, log_dir) for mode in ("on", "off")]
+    print(f"server logs under {log_dir}", flush=True)
+    rows = []
+    for mode in args.modes:
+        rows.append(measure(mode, args, log_dir))
+        print(f"  {LABELS[mode]}: {rows[-1]['wall_s']:.1f} s", flush=True)
     print(
         f"{args.requests} requests, {args.clients} clients, system prompt {args.system_tokens} "
         f"tokens, {args.max_tokens}-token answers; cpus {os.cpu_count()}, 1-min load "

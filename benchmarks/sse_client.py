@@ -101,3 +101,32 @@ async def one_request(
             if chunk.get("usage"):
                 timing.completion_tokens = chunk["usage"]["completion_tokens"]
     return timing
+
+
+def start_vllm_server(
+    artifact: str, vllm_python: str, extra: list[str], env: dict[str, str], log_path: Path
+) -> tuple[subprocess.Popen, str]:
+    """``kvroom serve --engine vllm`` (``vllm serve`` given the artifact's pool, its KV line
+    checked against the plan) on a free port; (process, base URL) once ``/health`` answers.
+    vLLM takes minutes to start on a CPU, hence the long wait."""
+    from kvroom.cli.serve_command import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    argv = [sys.executable, "-m", "kvroom", "serve", artifact, "--engine", "vllm"]
+    argv += ["--vllm-python", vllm_python, "--port", str(port), *extra]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if healthy(url):
+            return proc, url
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()}")
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"vllm serve did not start:\n{log_path.read_text()}")

@@ -67,7 +67,7 @@ CASES = [
     ("bad-role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages", "role"),
     ("no-messages", CHAT, chat(messages=[]), 400, "messages", r"at least 1 item"),
     ("max-tokens-zero", C, completion(max_tokens=0), 400, "max_tokens", r">= 1|equal to 1"),
-    ("max-tokens-negative", C, completion(max_tokens=-5), 400, "max_tokens", r"equal to 1"),
+    ("max-tokens-negative", C, completion(max_tokens=-5), 400, "max_tokens", r"equal to 0"),
     ("chat-max-tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens", r"equal to 1"),
     (
         "max-tokens-huge",

@@ -86,6 +86,52 @@ def test_echo_gives_prompt_logprobs_first_null_as_lm_eval_reads_them(
         assert choice.text.startswith(llm.tokenizer.decode(prompt))
 
 
+def test_echo_also_returns_vllm_prompt_logprobs(client: openai.OpenAI) -> None:
+    """vLLM turns ``echo`` + ``logprobs=k`` into ``prompt_logprobs=k`` and returns them too."""
+    out = client.completions.create(
+        model=MODEL, prompt=IDS[0], max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = out.choices[0]
+    prompt_lps = choice.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(prompt_lps) == len(IDS[0]) and prompt_lps[0] is None
+    token_lps = choice.logprobs.token_logprobs  # type: ignore[union-attr]
+    for i, (token, entry) in enumerate(zip(IDS[0][1:], prompt_lps[1:], strict=True), start=1):
+        assert entry[str(token)]["logprob"] == pytest.approx(token_lps[i])
+        assert 1 <= len(entry) <= 2 and {"logprob", "rank", "decoded_token"} == set(
+            entry[str(token)]
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(
+    client: openai.OpenAI, llm: LLM, stream: bool
+) -> None:
+    """vLLM's answer to ``echo`` with ``max_tokens: 0``: the prompt and its logprobs, no
+    completion (one token is generated, counted in usage, and dropped)."""
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": IDS[0], "max_tokens": 0}
+    kwargs.update(temperature=0, logprobs=1, echo=True)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]  # type: ignore[union-attr]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        out = client.completions.create(**kwargs)
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+        tokens = out.choices[0].logprobs.tokens  # type: ignore[union-attr]
+        assert out.usage is not None and out.usage.completion_tokens == 1
+    assert text == llm.tokenizer.decode(IDS[0])
+    assert len(tokens) == len(IDS[0]) and finish == "length"
+
+
+def test_max_tokens_0_without_echo_is_a_400(server: ThreadServer) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 0}
+    response = server.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and "0 only with echo" in error["message"]
+
+
 def test_prompt_lists_times_n_are_numbered_as_openai(client: openai.OpenAI, llm: LLM) -> None:
     out = client.completions.create(
         model=MODEL, prompt=["hello world", "a b"], n=2, max_tokens=5, temperature=0.9, seed=11
@@ -115,6 +161,30 @@ def test_chat_logprobs_with_top_logprobs_and_bytes(client: openai.OpenAI) -> Non
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.bytes == list(entry.token.encode("utf-8", errors="replace"))
+
+
+def test_chat_top_logprobs_put_the_sampled_token_first_as_vllm(client: openai.OpenAI) -> None:
+    """vLLM's chat ``top_logprobs``: the chosen token, then the most likely ones, ``k`` in all.
+    Sampled hot, many chosen tokens are not the most likely one."""
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=12,
+        temperature=2.0,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 12
+    not_top = 0
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        first, second = entry.top_logprobs
+        assert first.logprob == pytest.approx(entry.logprob)
+        not_top += second.logprob > first.logprob
+    assert not_top > 0  # the case where this order differs from "most likely first"
 
 
 def test_streamed_n_with_logprobs_adds_up_to_the_whole_response(client: openai.OpenAI) -> None:

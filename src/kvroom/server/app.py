@@ -164,6 +164,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             code="invalid_value",
         )
     echo = bool(body.echo)
+    echo_only = _echo_only(body)
     prompts = await completion_prompts(s, body.prompt, echo)
     wants_prompt_lps = echo and body.logprobs is not None
     prompt_logprobs = body.logprobs if wants_prompt_lps else body.prompt_logprobs
@@ -171,7 +172,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         s,
         body,
         prompts,
-        body.max_tokens,
+        1 if echo_only else body.max_tokens,
         "prompt",
         logprobs=body.logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -180,7 +181,23 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     fmt = CompletionFormat(request_id, s.model_name, s.tokenizers.token_text, body.logprobs)
     job = Job(request_id, prompts, params, fmt, body.stream, body.include_usage, "prompt", echo)
-    return await serve_job(s, job, request)
+    return await serve_job(s, dataclasses.replace(job, echo_only=echo_only), request)
+
+
+def _echo_only(body: CompletionRequest) -> bool:
+    """``max_tokens`` 0: with ``echo``, the prompt alone (vLLM's answer: it generates one token,
+    counted in ``usage``, and returns only the prompt); without, a 400."""
+    if body.max_tokens != 0:
+        return False
+    if not body.echo:
+        raise ApiError(
+            400,
+            "max_tokens: must be greater than or equal to 1 (0 only with echo, which returns "
+            "the prompt alone)",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    return True
 
 
 @router.post("/v1/chat/completions")

@@ -5,7 +5,8 @@ A builder turns the engine's outputs of one choice (text, and tokens with their
 (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), chat's a list of
 ``{token, logprob, bytes, top_logprobs}``. Token strings are single-token decodes, as vLLM
 returns them; the entry of the token itself comes first in a completions ``top_logprobs``
-dict, followed by the requested number of most likely tokens (vLLM's order). Logprobs below
+dict, followed by the requested number of most likely tokens (vLLM's order), and chat's
+``top_logprobs`` list is the first ``top_logprobs`` entries of that same order. Logprobs below
 -9999 (``-inf``) are reported as -9999.0, as vLLM does, since JSON has no infinity.
 """
 
@@ -211,7 +212,7 @@ class ChatFormat(CompletionFormat):
         content = [
             ChatLogprobEntry(
                 **self._token(token_id, lp.logprob).model_dump(),
-                top_logprobs=[self._token(alt, value) for alt, value in lp.top[:k]],
+                top_logprobs=[self._token(t, v) for t, v in _chat_top(token_id, lp, k)],
             )
             for token_id, lp in entries
             if lp is not None
@@ -225,6 +226,16 @@ class ChatFormat(CompletionFormat):
             logprob=max(logprob, MIN_LOGPROB),
             bytes=list(token.encode("utf-8", errors="replace")),
         )
+
+
+def _chat_top(token_id: int, lp: TokenLogprobs, k: int) -> list[tuple[int, float]]:
+    """vLLM's chat ``top_logprobs``: the first ``k`` of the chosen token, then the ``k`` most
+    likely (each once). Greedy, that is the top ``k``; a sampled token outside them comes
+    first and pushes the k-th out."""
+    ranked = {token_id: lp.logprob}
+    for alt, value in lp.top[:k]:
+        ranked.setdefault(alt, value)
+    return list(ranked.items())[:k]
 
 
 def _message(c: FinalChoice) -> AssistantMessage:

@@ -156,8 +156,9 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     """Text, token ids, or a list of either: one choice per prompt (times ``n``)."""
-    max_tokens: int | None = Field(16, ge=1)
-    """OpenAI's default is 16; null means "up to max_seq_len"."""
+    max_tokens: int | None = Field(16, ge=0)
+    """OpenAI's default is 16; null means "up to max_seq_len"; 0 only with ``echo`` (the prompt
+    alone, as vLLM returns it)."""
     best_of: int | None = Field(None, ge=1)
     """Generate this many per prompt and return the ``n`` with the highest cumulative logprob."""
     echo: bool | None = False

@@ -91,6 +91,9 @@ class Job:
     """The request field that holds the prompt ('prompt' or 'messages'), for error bodies."""
     echo: bool = False
     """Completions: the prompt (and its logprobs) comes before each choice's text."""
+    echo_only: bool = False
+    """Completions, ``echo`` with ``max_tokens`` 0: the prompt alone; the one token generated
+    (``params.max_tokens`` is 1) is dropped from text and logprobs, as vLLM does."""
     arrival_time: float = field(default_factory=time.monotonic)
     multimodal: Any = None
     """The prompt's images as the model prepared them (``image_url`` parts), or None."""
@@ -192,7 +195,7 @@ def _final_choices(job: Job, finals: list[RequestOutput]) -> list[FinalChoice]:
     for i, prompt in enumerate(job.prompts):
         kept = best_choices(finals[i * k : (i + 1) * k], job.params)
         for j, out in enumerate(kept):
-            text = (prompt.text if job.echo else "") + (out.text or "")
+            text = (prompt.text if job.echo else "") + _output_text(job, out)
             entries = _entries(job, prompt, out, 0, first=True)
             index = i * job.params.n + j
             choice = FinalChoice(index, text, entries, out.finish_reason, out.prompt_logprobs)
@@ -224,9 +227,13 @@ def _entries(
     entries: list[Entry] = []
     if job.echo and first:
         entries.extend(zip(prompt.token_ids, out.prompt_logprobs or (), strict=False))
-    logprobs = out.logprobs or ()
+    logprobs = () if job.echo_only else out.logprobs or ()
     entries.extend((lp.token_id, lp) for lp in logprobs[num_sent:])
     return entries
+
+
+def _output_text(job: Job, out: RequestOutput) -> str:
+    return "" if job.echo_only else out.text or ""
 
 
 @dataclass
@@ -279,7 +286,7 @@ def _delta_chunk(job: Job, i: int, out: RequestOutput, sent: _Sent) -> BaseModel
     """The chunk that brings choice ``i`` up to ``out``, or None when nothing is new."""
     prompt = job.prompts[i // job.params.num_sequences]
     prefix = prompt.text if job.echo and not sent.started else ""
-    text = out.text or ""
+    text = _output_text(job, out)
     visible = text if out.finished else text.rstrip(_REPLACEMENT_CHAR)
     delta = visible[len(sent.text) :]
     calls: tuple[ToolCallDelta, ...] = ()
