@@ -130,6 +130,55 @@ def fill_steps(info: ArtifactInfo, vocab_size: int) -> list[SchedulerOutput]:
     return steps
 
 
+CHURN_START = FILL_TOKEN_COUNTS + 1
+CHURN_GROWTH = 1.5
+"""Churn sizes grow geometrically from ``CHURN_START``: every size range a long run meets
+(decode batches, chunk lengths, mixed steps) runs once, each one a kernel path whose code
+pages and heap blocks become resident the first time it runs."""
+
+
+def _ladder(start: int, stop: int) -> list[int]:
+    """``start``, then x``CHURN_GROWTH`` up to ``stop``, which ends the ladder (empty when
+    ``stop < start``)."""
+    sizes: list[int] = []
+    n = start
+    while n < stop:
+        sizes.append(n)
+        n = max(n + 1, int(n * CHURN_GROWTH))
+    if stop >= start:
+        sizes.append(stop)
+    return sizes
+
+
+def churn_steps(info: ArtifactInfo, vocab_size: int) -> list[SchedulerOutput]:
+    """Steps of every size range past the fill steps, all at full context, greedy:
+
+    - one chunk of each ladder size up to the budget, with cached context before it (the
+      cached-context prefill of a chunked or preempted prompt);
+    - decodes at each ladder batch size up to ``batch_size``;
+    - each ladder batch size as ``b - 1`` decodes beside one chunk of ``CHURN_START`` tokens
+      (a mixed step), within the budget.
+    """
+    cfg = info.config
+    table = tuple(reversed(range(cfg.num_min_blocks)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    end = cfg.max_seq_len
+    budget = cfg.max_num_batched_tokens
+
+    def seq(i: int, n: int) -> ScheduledSeq:
+        tokens = tuple((i + t) % vocab_size for t in range(n))
+        return ScheduledSeq(i, tokens, end - n, table, i, True, greedy)
+
+    steps = [(seq(0, n),) for n in _ladder(CHURN_START, min(budget, end - 1))]
+    batches = _ladder(CHURN_START, min(cfg.batch_size, budget))
+    steps += [tuple(seq(i, 1) for i in range(b)) for b in batches]
+    chunk = min(CHURN_START, end - 1)
+    for b in [2, *batches]:
+        if b <= cfg.batch_size and b - 1 + chunk <= budget:
+            steps.append((*(seq(i, 1) for i in range(b - 1)), seq(b - 1, chunk)))
+    return [SchedulerOutput(s) for s in steps]
+
+
 class CpuProbe:
     """Resident set and its peak, in bytes."""
 

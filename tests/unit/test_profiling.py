@@ -6,7 +6,15 @@ from types import SimpleNamespace
 
 from kvroom.config import DecoderOnlyConfig
 from kvroom.plan.measured import STEP_SHAPES
-from kvroom.profiling import FILL_TOKEN_COUNTS, _chunk_sizes, fill_steps, peak_steps
+from kvroom.profiling import (
+    CHURN_START,
+    FILL_TOKEN_COUNTS,
+    _chunk_sizes,
+    _ladder,
+    churn_steps,
+    fill_steps,
+    peak_steps,
+)
 
 
 def _info(**kwargs: int) -> SimpleNamespace:
@@ -39,3 +47,32 @@ def test_fill_steps_have_every_size_once() -> None:
     sizes = [s.num_tokens for s in fill_steps(_info(max_num_batched_tokens=64), 100)]
     assert sizes == list(range(1, FILL_TOKEN_COUNTS + 1))
     assert [s.num_tokens for s in fill_steps(_info(max_num_batched_tokens=4), 100)] == [1, 2, 3, 4]
+
+
+def test_ladder_grows_by_half_and_ends_at_the_stop() -> None:
+    assert _ladder(9, 64) == [9, 13, 19, 28, 42, 63, 64]
+    assert _ladder(9, 9) == [9]
+    assert _ladder(9, 8) == []
+
+
+def test_churn_steps_cover_chunks_decode_batches_and_mixed_steps() -> None:
+    info = _info(max_seq_len=128, batch_size=32, max_num_batched_tokens=64)
+    steps = churn_steps(info, vocab_size=100)
+    shapes = [[len(s.token_ids) for s in step.seqs] for step in steps]
+    chunks = [x[0] for x in shapes if len(x) == 1]
+    assert chunks == [9, 13, 19, 28, 42, 63, 64]  # one chunk each, up to the budget
+    decodes = [len(x) for x in shapes if len(x) > 1 and set(x) == {1}]
+    assert decodes == [9, 13, 19, 28, 32]  # every batch size range, up to batch_size
+    mixed = [x for x in shapes if len(x) > 1 and x[-1] == CHURN_START]
+    assert [len(x) for x in mixed] == [2, 9, 13, 19, 28, 32]
+    for step in steps:
+        assert step.num_tokens <= 64
+        for s in step.seqs:
+            assert s.start_pos + len(s.token_ids) == 128  # at full context, context cached
+            assert s.sampling.temperature == 0.0
+
+
+def test_churn_steps_stay_within_a_short_context_and_small_batch() -> None:
+    steps = churn_steps(_info(max_seq_len=16, batch_size=4, max_num_batched_tokens=64), 100)
+    shapes = [[len(s.token_ids) for s in step.seqs] for step in steps]
+    assert shapes == [[9], [13], [15], [1, 9]]
