@@ -11,13 +11,16 @@ that stays up between runs. Workloads, greedy and EOS ignored, as token ids:
 * ``batch``: ``kvroom.bench.chat_prompts`` x ``--new-tokens`` (32 x 64), tokens/s;
 * ``single``: one chat prompt x 128 tokens, tokens/s;
 * ``ttft``: 8 distinct prompts of 1,500 tokens, 1 token each: seconds until every prompt has
-  its first token (the prefill of 12,000 tokens in the artifact's step budget).
+  its first token (the prefill of 12,000 tokens in the artifact's step budget);
+* ``batch_prefill``: the batch's prompts x 1 token: its prefill, so that the batch's decode
+  rate is ``(tokens - requests) / (batch - batch_prefill)`` seconds.
 
 Each repeat runs every workload on vLLM then on kvroom, so a busy spell of a shared machine
 hits both; figures are medians of ``--repeats``. Each engine first warms up. The matmul ceiling
 is timed in the kvroom process next to each batch run: the best of a few fp32 ``torch.mm`` of
 ``1024 x 1024 x 1024`` (GFLOP/s) divided by the model's FLOPs per token (2 x the projection
-and LM-head weights; attention's own FLOPs are left out, which flatters no one).
+and LM-head weights; attention's own FLOPs are left out, which flatters no one), against
+which the batch's decode rate (its prefill taken out) is set.
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ def workloads(llm: LLM, num_requests: int, new_tokens: int) -> dict[str, dict[st
         "batch": {"prompts": chat, "max_tokens": new_tokens},
         "single": {"prompts": chat[:1], "max_tokens": SINGLE_TOKENS},
         "ttft": {"prompts": long_prompts(llm.tokenizer, TTFT_PROMPTS, TTFT_LEN), "max_tokens": 1},
+        "batch_prefill": {"prompts": chat, "max_tokens": 1},
     }
 
 
@@ -251,14 +255,22 @@ def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def decode_rate(figures: dict[str, Any], engine: str) -> float:
+    """The batch's decode tokens/s: its first tokens and their prefill taken out."""
+    batch, prefill = figures["batch"], figures["batch_prefill"]
+    seconds = batch["median_s"][engine] - prefill["median_s"][engine]
+    return (batch["tokens"] - batch["requests"]) / seconds
+
+
 def table(results: list[dict[str, Any]]) -> list[str]:
     """The side-by-side table: per artifact, every workload, kvroom / vLLM (higher = faster)."""
     lines = [f"{'dtype':<10}{'workload':<26}{'kvroom':>10}{'vLLM':>10}{'kvroom/vLLM':>13}  greedy"]
     for r in results:
         for name, f in r["workloads"].items():
             k, v = f["median_s"]["kvroom"], f["median_s"]["vllm"]
-            if name == "ttft":
-                label, kv, vv, unit = "TTFT 8 x 1500 (s)", k, v, ".2f"
+            if name in ("ttft", "batch_prefill"):
+                label = "TTFT 8 x 1500 (s)" if name == "ttft" else "prefill of batch (s)"
+                kv, vv, unit = k, v, ".2f"
             else:
                 label = "batch 32 x 64 (tok/s)" if name == "batch" else "single 1 x 128 (tok/s)"
                 kv, vv, unit = f["tokens"] / k, f["tokens"] / v, ".1f"
@@ -266,13 +278,15 @@ def table(results: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"{r['dtype']:<10}{label:<26}{kv:>10{unit}}{vv:>10{unit}}{v / k:>12.2f}x  {same}"
             )
-        b = r["workloads"]["batch"]
-        rate = b["tokens"] / b["median_s"]["kvroom"]
+        rate, vllm_rate = (decode_rate(r["workloads"], e) for e in ("kvroom", "vllm"))
+        label = "batch decode only (tok/s)"
+        lines.append(
+            f"{r['dtype']:<10}{label:<26}{rate:>10.1f}{vllm_rate:>10.1f}{rate / vllm_rate:>12.2f}x"
+        )
         gf, top = statistics.median(r["matmul_gflops"]), r["ceiling_tokens_per_s"]
-        vllm_rate = b["tokens"] / b["median_s"]["vllm"]
         lines.append(
             f"{r['dtype']:<10}matmul ceiling: fp32 mm {gf:.0f} GFLOP/s -> {top:.0f} tok/s; "
-            f"batch: kvroom at {rate / top:.0%} of it, vLLM at {vllm_rate / top:.0%}"
+            f"batch decode: kvroom at {rate / top:.0%} of it, vLLM at {vllm_rate / top:.0%}"
         )
     return lines
 
