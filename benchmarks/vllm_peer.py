@@ -262,17 +262,26 @@ def decode_rate(figures: dict[str, Any], engine: str) -> float:
     return (batch["tokens"] - batch["requests"]) / seconds
 
 
+LABELS = {
+    "batch": "batch 32 x 64 (tok/s)",
+    "single": "single 1 x 128 (tok/s)",
+    "ttft": "TTFT 8 x 1500 (s)",
+    "batch_prefill": "prefill of batch (s)",
+}
+TIMED_IN_SECONDS = ("ttft", "batch_prefill")
+"""Workloads reported in seconds (the others in tokens/s)."""
+
+
 def table(results: list[dict[str, Any]]) -> list[str]:
     """The side-by-side table: per artifact, every workload, kvroom / vLLM (higher = faster)."""
     lines = [f"{'dtype':<10}{'workload':<26}{'kvroom':>10}{'vLLM':>10}{'kvroom/vLLM':>13}  greedy"]
     for r in results:
         for name, f in r["workloads"].items():
             k, v = f["median_s"]["kvroom"], f["median_s"]["vllm"]
-            if name in ("ttft", "batch_prefill"):
-                label = "TTFT 8 x 1500 (s)" if name == "ttft" else "prefill of batch (s)"
+            label = LABELS[name]
+            if name in TIMED_IN_SECONDS:
                 kv, vv, unit = k, v, ".2f"
             else:
-                label = "batch 32 x 64 (tok/s)" if name == "batch" else "single 1 x 128 (tok/s)"
                 kv, vv, unit = f["tokens"] / k, f["tokens"] / v, ".1f"
             same = f"{f['same']}/{f['requests']} identical"
             lines.append(
