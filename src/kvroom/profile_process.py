@@ -172,17 +172,16 @@ def _server_bytes(stages: _Stages, runtime: Any) -> int:
     import asyncio
 
     got: dict[str, int] = {}
+    loop = asyncio.new_event_loop()
     with stages.stage(got, "server"):
+        import uvicorn
+
         from kvroom.llm import LLM
-        from kvroom.server.app import create_app, uvicorn_config
+        from kvroom.server.app import create_app
 
         app = create_app(LLM.from_runtime(runtime), served_model_name="profile")
-        # what `serve` loads before it listens: the protocol, loop and lifespan modules, and
-        # the same event loop (uvloop where installed)
-        config = uvicorn_config(app)
-        config.load()
-        loop_factory = getattr(config, "get_loop_factory", lambda: None)()
-        loop = (loop_factory or asyncio.new_event_loop)()
+        # what `serve` loads before it listens: the protocol, loop and lifespan modules
+        uvicorn.Config(app, loop="asyncio", http="h11", lifespan="on").load()
         lifespan = app.router.lifespan_context(app)
         loop.run_until_complete(lifespan.__aenter__())
         loop.run_until_complete(_serve_once(app))

@@ -303,20 +303,6 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def uvicorn_config(
-    app: FastAPI, *, access_log: bool = True, shutdown_timeout_s: float = 30.0
-) -> uvicorn.Config:
-    """How ``serve`` runs ``app`` (the profiling pass measures the server under the same)."""
-    return uvicorn.Config(
-        app,
-        loop="auto",  # uvloop and httptools where installed: a streamed token costs the
-        http="auto",  # event loop less than asyncio's pure-Python loop and h11's framing
-        lifespan="on",
-        access_log=access_log,
-        timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]
-    )
-
-
 def serve(
     app: FastAPI,
     sock: socket.socket,
@@ -329,5 +315,12 @@ def serve(
     On the signal: stop accepting, let in-flight requests finish for up to
     ``shutdown_timeout_s`` seconds, cancel (abort) what is left, stop the engine loop, return.
     """
-    config = uvicorn_config(app, access_log=access_log, shutdown_timeout_s=shutdown_timeout_s)
+    config = uvicorn.Config(
+        app,
+        loop="auto",  # uvloop and httptools where installed: a streamed token costs the
+        http="auto",  # event loop less than asyncio's pure-Python loop and h11's framing
+        lifespan="on",
+        access_log=access_log,
+        timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]
+    )
     _Server(config).run(sockets=[sock])
