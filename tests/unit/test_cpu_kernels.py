@@ -53,11 +53,12 @@ def test_decode_attention_many_items_runs_threaded_and_the_same() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_add_rms_norm_matches_torch(dtype, rows) -> None:
+@pytest.mark.parametrize("width", [96, 99])  # whole vectors, and a scalar tail
+def test_add_rms_norm_matches_torch(dtype, rows, width) -> None:
     gen = torch.Generator().manual_seed(1)
-    h = torch.randn(rows, 96, generator=gen).to(dtype)
-    delta = torch.randn(rows, 96, generator=gen).to(dtype)
-    w = torch.randn(96, generator=gen).to(dtype)
+    h = torch.randn(rows, width, generator=gen).to(dtype)
+    delta = torch.randn(rows, width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
     eps = torch.tensor(1e-6)
     ref_h = h + delta
     ref = rms_norm(ref_h, eps, w)
@@ -66,6 +67,23 @@ def test_add_rms_norm_matches_torch(dtype, rows) -> None:
     assert torch.equal(h, ref_h)
     atol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+def test_bf16_residual_add_rounds_exactly_as_torch() -> None:
+    """The vector bf16 store rounds to nearest even like torch, NaN and infinities kept."""
+    gen = torch.Generator().manual_seed(4)
+    h = (torch.randn(3, 64, generator=gen) * 1e3).to(torch.bfloat16)
+    delta = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    h[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    ref = h + delta
+    assert ops.add_rms_norm(h, delta, 1e-6) is not None
+    assert torch.equal(h[:, 3:], ref[:, 3:])
+    assert h[0, 0].isnan() and h[0, 1] == float("inf") and h[0, 2] == -float("inf")
+
+
+def test_sdpa_for_context_prefill_is_part_of_the_description() -> None:
+    text = CpuKernels(isa="amx", bf16_packed=True, native=True, sdpa_context_prefill=True)
+    assert text.describe().endswith("fused SiLU-GLU; SDPA for prefill with cached context")
 
 
 def test_the_choice_is_described_in_one_line() -> None:

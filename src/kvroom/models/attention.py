@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvroom.models.kernels import cpu_kernels
 from kvroom.models.kernels import ops as native
 from kvroom.models.layers import softcap_
 
@@ -260,7 +261,8 @@ def _prefill_full(
     one on a whole prompt). Chunks with cached context: the native kernel reads every key in
     place from the pool (no gather, no mask tensor), else SDPA over the gathered blocks
     under the causal mask."""
-    if not g.fresh and g.starts is not None and g.q_lens is not None and softcap is None:
+    in_place = g.starts is not None and g.q_lens is not None and softcap is None
+    if not g.fresh and in_place and not _sdpa_context_prefill(q):
         out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
         if out is not None:
             return out
@@ -268,6 +270,11 @@ def _prefill_full(
         keys = _padded(_as_stored(kv[g.row_start :], cache.dtype), g)
         return _prefill(q, keys, g, scale, softcap)
     return _prefill_chunks(q, cache, g.chunks, scale, softcap)
+
+
+def _sdpa_context_prefill(q: torch.Tensor) -> bool:
+    """This CPU attends chunks with cached context faster through SDPA (``kernels``)."""
+    return q.device.type == "cpu" and cpu_kernels().sdpa_context_prefill
 
 
 def _prefill_chunks(

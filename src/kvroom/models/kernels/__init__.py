@@ -10,6 +10,10 @@
 * the native kernels (``build.library``): paged decode and causal prefill attention reading K/V
   in place from the blocks, the fused residual add + RMSNorm and SiLU-GLU; None means the
   torch paths.
+* who attends prefill chunks with cached context: on AVX-512 CPUs torch's flash SDPA over the
+  gathered blocks under a mask (its tiles run as oneDNN GEMMs: 2.7x the native kernel in bf16
+  with AMX, 1.2x in fp32, ``benchmarks/prefill_attention.py``), else the native kernel, which
+  reads the keys in place.
 """
 
 from __future__ import annotations
@@ -33,11 +37,15 @@ class CpuKernels:
     """bf16 projections run as oneDNN-packed bf16 GEMMs (else widened to fp32)."""
     native: bool
     """The compiled kernels (``cpu_kernels.cpp``) are loaded."""
+    sdpa_context_prefill: bool = False
+    """Chunks with cached context attend through torch SDPA over gathered blocks, not the
+    native kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
 
     def describe(self) -> str:
         bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
         attn = (
             "native paged decode and prefill attention, fused SiLU-GLU"
+            + ("; SDPA for prefill with cached context" if self.sdpa_context_prefill else "")
             if self.native
             else "torch SDPA (no native kernels)"
         )
@@ -59,6 +67,12 @@ def cpu_kernels() -> CpuKernels:
     """The kernels this CPU runs; decided and logged once per process."""
     flags = cpu_flags()
     packed = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    chosen = CpuKernels(isa=_isa(flags), bf16_packed=packed, native=library() is not None)
+    isa = _isa(flags)
+    chosen = CpuKernels(
+        isa=isa,
+        bf16_packed=packed,
+        native=library() is not None,
+        sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
+    )
     log.info(chosen.describe())
     return chosen

@@ -123,32 +123,6 @@ void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables
   }
 }
 
-// h += delta (when delta is not null); y = h * rsqrt(mean(h^2) + eps) [* w], float32 stats.
-template <typename T>
-void add_rms_norm(T* h, const T* delta, T* y, const T* w, int64_t rows, int64_t n, float eps,
-                  int serial_max) {
-#pragma omp parallel for schedule(static) if (rows > serial_max)
-  for (int64_t r = 0; r < rows; ++r) {
-    T* hr = h + r * n;
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      float x = load(hr[i]);
-      if (delta) {
-        x = rounded<T>(x + load(delta[r * n + i]));
-        store(hr + i, x);
-      }
-      ss += x * x;
-    }
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) {
-      float v = load(hr[i]) * inv;
-      if (w) v = rounded<T>(v) * load(w[i]);
-      store(y + r * n + i, v);
-    }
-  }
-}
-
-
 // ---- Paged prefill attention: causal chunks, K/V read in place from the pool ----------------
 //
 //   q      [Tp, H, D] packed rows of B chunks, chunk b = q_lens[b] rows at positions
@@ -358,6 +332,79 @@ void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table
 }
 
 // out[r, :] = silu(gu[r, :I]) * gu[r, I:], rounding where torch's silu then mul_ would.
+// VW values at p as floats, and back (bf16: exact widening; rounding to nearest even, NaN
+// kept, as the scalar load/store above do).
+typedef uint16_t vh __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+inline vf vld(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+inline void vst(uint16_t* p, vf x) {
+  const vu b = (vu)x;
+  const vu nan = ((b & 0x7f800000u) == 0x7f800000u) & ((b & 0x7fffffu) != 0);
+  const vu r = nan ? ((b >> 16) | 0x40u) : (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  const vh h = __builtin_convertvector(r, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+template <typename T>
+inline vf vrounded(vf x) {  // x as a T would hold it
+  if constexpr (sizeof(T) == 4) {
+    return x;
+  } else {
+    T t[VW];
+    vst(t, x);
+    return vld(t);
+  }
+}
+
+// h += delta (when delta is not null); y = h * rsqrt(mean(h^2) + eps) [* w], float32 stats
+// summed in VW lanes, in a fixed order.
+template <typename T>
+void add_rms_norm(T* h, const T* delta, T* y, const T* w, int64_t rows, int64_t n, float eps,
+                  int serial_max) {
+#pragma omp parallel for schedule(static) if (rows > serial_max)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* hr = h + r * n;
+    const T* dr = delta ? delta + r * n : nullptr;
+    T* yr = y + r * n;
+    vf acc = {};
+    float ss = 0.f;
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+      vf x = vld(hr + i);
+      if (dr) {
+        x = vrounded<T>(x + vld(dr + i));
+        vst(hr + i, x);
+      }
+      acc += x * x;
+    }
+    for (; i < n; ++i) {
+      float x = load(hr[i]);
+      if (dr) {
+        x = rounded<T>(x + load(dr[i]));
+        store(hr + i, x);
+      }
+      ss += x * x;
+    }
+    for (int c = 0; c < VW; ++c) ss += acc[c];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (i = 0; i + VW <= n; i += VW) {
+      vf v = vld(hr + i) * inv;
+      if (w) v = vrounded<T>(v) * vld(w + i);
+      vst(yr + i, v);
+    }
+    for (; i < n; ++i) {
+      float v = load(hr[i]) * inv;
+      if (w) v = rounded<T>(v) * load(w[i]);
+      store(yr + i, v);
+    }
+  }
+}
+
+// out = silu(g) * u per row of gu = [g | u]; bf16 rounds silu(g) before the product, as
+// torch's two ops do.
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) {
 #pragma omp parallel for schedule(static) if (rows > serial_max)
@@ -365,21 +412,14 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) 
     const T* g = gu + r * 2 * inter;
     const T* u = g + inter;
     T* o = out + r * inter;
-    float gf[VW], uf[VW], y[VW];
     int64_t i = 0;
-    if constexpr (sizeof(T) == 4) {  // float: whole vectors straight from the rows
-      for (; i + VW <= inter; i += VW) {
-        const vf x = vld(g + i);
-        vst(o + i, x / (1.0f + vexp(-x)) * vld(u + i));
-      }
+    for (; i + VW <= inter; i += VW) {
+      const vf x = vld(g + i);
+      vst(o + i, vrounded<T>(x / (1.0f + vexp(-x))) * vld(u + i));
     }
-    for (; i < inter; i += VW) {
-      const int n = inter - i < VW ? static_cast<int>(inter - i) : VW;
-      for (int c = 0; c < VW; ++c) gf[c] = c < n ? load(g[i + c]) : 0.f;
-      for (int c = 0; c < VW; ++c) uf[c] = c < n ? load(u[i + c]) : 0.f;
-      const vf x = vld(gf);
-      vst(y, x / (1.0f + vexp(-x)));
-      for (int c = 0; c < n; ++c) store(o + i + c, rounded<T>(y[c]) * uf[c]);
+    for (; i < inter; ++i) {
+      const float x = load(g[i]);
+      store(o + i, rounded<T>(x / (1.0f + std::exp(-x))) * load(u[i]));
     }
   }
 }
