@@ -84,7 +84,7 @@ def profile(folder: Path) -> MeasuredTerms:
     steps = peak_steps(info, runtime.spec.vocab_size)
     fill = fill_steps(info, runtime.spec.vocab_size) + churn_steps(info, runtime.spec.vocab_size)
     peaks = _run_steps(stages, runtime, steps, fill, got)
-    server = 0 if cuda else _server_bytes(stages, runtime)
+    server = 0 if cuda else _server_bytes(stages, runtime, list(steps.values()))
     load_over = max(got["tokenizer_over"] - got["weights"], got["weights_over"], 0)
     bf16 = not cuda and dtype == torch.bfloat16
     return MeasuredTerms(
@@ -165,10 +165,15 @@ def _generate_once(runtime: Any) -> None:
     llm.reset_prefix_cache()
 
 
-def _server_bytes(stages: _Stages, runtime: Any) -> int:
+def _server_bytes(stages: _Stages, runtime: Any, peak_steps: list[SchedulerOutput]) -> int:
     """``kvroom serve``'s own memory: its modules, the app ``create_app`` builds, and what the
     running app holds once it has served (the engine loop, the tokenizer workers, the routes'
-    lazily built state), measured while the app's lifespan runs."""
+    lazily built state), measured while the app's lifespan runs.
+
+    The server steps the engine on a thread of its own, and the kernels keep state per thread
+    (the OpenMP team, oneDNN's scratchpad, sized by the largest shape it ran), so the peak
+    shapes run once more on that thread: the offline warm-up on the main thread does not
+    cover it."""
     import asyncio
 
     got: dict[str, int] = {}
@@ -184,6 +189,8 @@ def _server_bytes(stages: _Stages, runtime: Any) -> int:
         uvicorn.Config(app, loop="asyncio", http="h11", lifespan="on").load()
         lifespan = app.router.lifespan_context(app)
         loop.run_until_complete(lifespan.__aenter__())
+        execute = runtime.runner.execute
+        app.state.kvroom.engine.run_between_steps(lambda _: [execute(s) for s in peak_steps])
         loop.run_until_complete(_serve_once(app))
     loop.run_until_complete(lifespan.__aexit__(None, None, None))
     loop.close()

@@ -29,13 +29,15 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvroom.engine.engine import EngineStats, LLMEngine, RequestOutput, ResizeResult
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import AdmissionError, KvroomError
 
 logger = logging.getLogger("kvroom")
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -185,8 +187,13 @@ class AsyncEngine:
     def reset_prefix_cache(self, timeout: float | None = None) -> int:
         """Forget the prefix cache between two steps; blocks until done (any thread but the
         loop's). Returns the cached-free blocks dropped."""
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._submit(_Call(lambda engine: engine.reset_prefix_cache(), done))
+        return self.run_between_steps(lambda engine: engine.reset_prefix_cache(), timeout)
+
+    def run_between_steps(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
+        """``fn(engine)`` on the loop thread between two steps; blocks until done (any thread
+        but the loop's). An exception in ``fn`` stops the loop, as a failing step does."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._submit(_Call(fn, done))
         return done.result(timeout)
 
     # -- event-loop side -----------------------------------------------------------------
