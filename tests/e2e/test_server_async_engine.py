@@ -7,6 +7,7 @@ Each test wraps a tiny artifact's ``LLMEngine`` in its own ``AsyncEngine`` and d
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,3 +159,8 @@ def test_each_app_has_its_own_metrics_registry(llm):
     assert REGISTRY.get_sample_value("kvroom_kv_cache_num_blocks") is None
     value = first.state.kvroom.metrics.registry.get_sample_value("kvroom_kv_cache_num_blocks")
     assert value == 64
+
+
+def test_run_between_steps_runs_on_the_loop_thread_and_returns_its_result(loop_engine):
+    ran = loop_engine.run_between_steps(lambda engine: (threading.current_thread().name, engine))
+    assert ran == ("kvroom-engine-loop", loop_engine._engine)
