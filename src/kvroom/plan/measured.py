@@ -47,7 +47,8 @@ class MeasuredTerms:
     """Per peak shape (``STEP_SHAPES``), how far one step (forward + sampling over the full
     vocabulary) rises above the steady state."""
     server_bytes: int = 0
-    """``kvroom serve`` only: the HTTP app, its modules and its copy of the tokenizer."""
+    """``kvroom serve`` only: the HTTP app, its modules, its copy of the tokenizer, and the
+    kernels' per-thread state on the engine thread."""
     bf16_projection_bytes: int = 0
     """The bf16 projections' bytes as bf16. CPUs without oneDNN's bf16 GEMM widen them to
     fp32 at load (``models.kernels``), so they weigh twice that there: the one part of
