@@ -171,9 +171,9 @@ def _server_bytes(stages: _Stages, runtime: Any, peak_steps: list[SchedulerOutpu
     lazily built state), measured while the app's lifespan runs.
 
     The server steps the engine on a thread of its own, and the kernels keep state per thread
-    (the OpenMP team, oneDNN's scratchpad, sized by the largest shape it ran), so the peak
-    shapes run once more on that thread: the offline warm-up on the main thread does not
-    cover it."""
+    (likely the OpenMP team and oneDNN's scratchpad; a workload run again on a second thread
+    added 27 MiB on SmolLM2), so the peak shapes run once more on that thread: the offline
+    warm-up on the main thread does not cover it."""
     import asyncio
 
     got: dict[str, int] = {}
