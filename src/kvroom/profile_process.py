@@ -87,6 +87,7 @@ def profile(folder: Path) -> MeasuredTerms:
     server = 0 if cuda else _server_bytes(stages, runtime, list(steps.values()))
     load_over = max(got["tokenizer_over"] - got["weights"], got["weights_over"], 0)
     bf16 = not cuda and dtype == torch.bfloat16
+    file_backed = 0 if cuda else probe.file_backed()
     return MeasuredTerms(
         method="cuda" if cuda else "cpu-rss",
         process_bytes=got["process"],
@@ -99,6 +100,7 @@ def profile(folder: Path) -> MeasuredTerms:
         server_bytes=server,
         bf16_projection_bytes=packed_bf16_bytes(model) if bf16 else 0,
         bf16_widened=bf16 and widens_bf16_weights(),
+        file_backed_bytes=file_backed,
     )
 
 

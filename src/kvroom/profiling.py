@@ -188,6 +188,10 @@ class CpuProbe:
     def peak(self) -> int:
         return _status_bytes("VmHWM:")
 
+    def file_backed(self) -> int:
+        """The resident pages of mapped files (``RssFile``)."""
+        return _status_bytes("RssFile:")
+
     def reset_peak(self) -> None:
         # Where the kernel refuses, VmHWM keeps the peak since start: an over-count, never under.
         with contextlib.suppress(OSError):

@@ -55,6 +55,11 @@ class MeasuredTerms:
     ``weights_bytes`` that depends on the CPU, not only on the artifact."""
     bf16_widened: bool = False
     """The measuring CPU widened them (``weights_bytes`` holds fp32 copies)."""
+    file_backed_bytes: int = 0
+    """Of the terms above, the mapped files' pages resident at the end of the pass (CPU,
+    ``RssFile``): clean pages, mostly the shared libraries. How many a process maps depends on
+    the page cache's state (``kvroom.pagecache``), so this is the part that can differ on a
+    machine whose page cache holds the libraries differently."""
 
     def on_cpu(self, widens_bf16: bool) -> MeasuredTerms:
         """These terms on a CPU that does (or does not) widen bf16 projections: a plan

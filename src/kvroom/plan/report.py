@@ -95,6 +95,9 @@ def terms_table(plan: MemoryPlan) -> str:
     if m:
         error = 100.0 * (plan.formula_total_bytes - plan.total_bytes) / plan.total_bytes
         rows.append(("formula vs measured", f"{error:+.1f}%", ""))
+        if m.file_backed_bytes:
+            files = format_bytes(m.file_backed_bytes)
+            rows.append(("  of which mapped files (libraries)", "", files))
     width = max(len(r[0]) for r in rows)
     head = f"{'non-KV memory at peak':<{width}}  {'formula':>12}  {'measured':>12}"
     return "\n".join([head] + [f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows])
