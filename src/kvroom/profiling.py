@@ -35,7 +35,7 @@ from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-ROUNDS = 2
+ROUNDS = 4
 """Rounds over the peak shapes: the first warms up, the peaks are the max over the others."""
 
 
