@@ -526,6 +526,16 @@ def test_terms_table_side_by_side(tiny_plan: MemoryPlan) -> None:
     assert "formula vs measured" in text
 
 
+def test_file_backed_part_is_shown_but_not_added(tiny_plan: MemoryPlan) -> None:
+    plain = tiny_plan.with_measured(_terms())
+    with_files = tiny_plan.with_measured(_terms(file_backed_bytes=9_000))
+    assert with_files.total_bytes == plain.total_bytes  # part of the terms, not a term
+    assert "of which mapped files" not in terms_table(plain)
+    assert "of which mapped files" in terms_table(with_files)
+    old = {k: v for k, v in with_files.measured.to_dict().items() if k != "file_backed_bytes"}
+    assert MeasuredTerms.from_dict(old).file_backed_bytes == 0  # artifacts from before it
+
+
 def test_measured_weights_follow_the_cpu_bf16_widening(tiny_plan: MemoryPlan) -> None:
     widened = _terms(weights_bytes=41_000, bf16_projection_bytes=10_000, bf16_widened=True)
     packed = widened.on_cpu(False)
