@@ -135,9 +135,9 @@ def _run_steps(
 
     The heap is trimmed (``heap.trim``) after the warm-up and before each measured step, so a
     step's transients count in full as fresh pages: otherwise they may be served from free
-    memory the warm-up left in the heap, or not, depending on where the free chunks lie (the
-    same artifact profiled 78.6 MB as warm-up + step in one process and 112-115 MB in others);
-    the trimmed reading is the larger, the one a deployment can reach."""
+    memory the warm-up left in the heap, or not, depending on where the free chunks lie (one
+    SmolLM2 artifact profiled warm-up + step at 75-79 MB in some processes and 100-115 MB in
+    others); the trimmed reading is the larger, which a deployment can reach."""
     from kvroom import heap
 
     execute = runtime.runner.execute
