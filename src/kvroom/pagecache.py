@@ -8,7 +8,8 @@ writes a library) sits in the cache in large folios; a file read back from disk 
 ones. Measured with the imports of ``kvroom.LLM`` (torch, transformers, kvroom) on Linux 6.18,
 ext4: 80 MB of file pages after libtorch was read from disk, 151 MB after it was written in
 one piece, the anonymous memory 170.2 MB in both. Reading a file through (``read``,
-``POSIX_FADV_WILLNEED``) does not build large folios; only writing does.
+``POSIX_FADV_WILLNEED``) does not build large folios, nor does writing it in 64 KiB pieces;
+writing it in one piece does.
 
 ``drop`` puts the libraries in the read-from-disk state (the pages no process maps leave the
 cache and come back small), so runs measured after it do not depend on how the libraries were

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvroom import heap
 from kvroom.artifact.layout import read_info
 from kvroom.engine.output import SchedulerOutput
 from kvroom.plan.measured import MeasuredTerms
@@ -44,8 +45,6 @@ class _Stages:
         out[name + "_over"] = max(self.probe.peak() - after, 0)
 
     def step_peak(self, run: Any, baseline: int) -> int:
-        from kvroom import heap
-
         heap.trim()
         self.probe.reset_peak()
         run()
@@ -61,7 +60,6 @@ def profile(folder: Path) -> MeasuredTerms:
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401 - what LLM imports
 
     import kvroom.llm  # noqa: F401 - the deployment's modules count in process_bytes
-    from kvroom import heap
     from kvroom.engine.model_runner import load_model
     from kvroom.models.layers import packed_bf16_bytes, widens_bf16_weights
     from kvroom.runtime import assemble_runtime
@@ -138,8 +136,6 @@ def _run_steps(
     memory the warm-up left in the heap, or not, depending on where the free chunks lie (one
     SmolLM2 artifact profiled warm-up + step at 75-79 MB in some processes and 100-115 MB in
     others); the trimmed reading is the larger, which a deployment can reach."""
-    from kvroom import heap
-
     execute = runtime.runner.execute
     with stages.stage(got, "warmup"):
         for step in [*steps.values(), *fill]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,9 +15,16 @@ from kvroom.models.layers import rms_norm
 pytestmark = pytest.mark.skipif(not cpu_kernels().native, reason="native kernels not built")
 
 
-def _case(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int, lens: list[int]):
+def _case(
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    lens: list[int],
+    d: int = 16,
+):
     gen = torch.Generator().manual_seed(0)
-    unit, d, units = 4, 16, 40
+    unit, units = 4, 40
     cache = torch.randn(units, unit, 2, kv_heads, d, generator=gen).to(kv_dtype)
     n = max(-(-x // unit) for x in lens)
     perm = torch.randperm(units, generator=gen)[: len(lens) * n].view(len(lens), n)
@@ -49,6 +58,21 @@ def test_decode_attention_many_items_runs_threaded_and_the_same() -> None:
     ref = attention._decode(q, cache, group, 0.3, None)
     out = ops.decode_attention(q, cache, group.kv_index, lens, 0.3, None)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_engine_decode_takes_the_prefill_kernel_unless_softcapped(d, softcap) -> None:
+    q, cache, group, lens = _case(torch.float32, torch.float32, 6, 2, [1, 7, 16, 13], d=d)
+    ref = attention._decode(q, cache, group, 0.25, softcap)  # torch: no lens in the group
+    native = dataclasses.replace(group, lens=lens, last_pos=lens - 1, one_row=torch.ones_like(lens))
+    out = attention._native_decode(q, cache, native, 0.25, softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    if softcap is None:
+        kernel = ops.prefill_attention(q, cache, group.kv_index, lens - 1, native.one_row, 0.25)
+    else:
+        kernel = ops.decode_attention(q, cache, group.kv_index, lens, 0.25, softcap)
+    assert torch.equal(out, kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -140,7 +140,9 @@ class _Builder:
         elif min(lens) < kv_len:
             keep = torch.arange(kv_len)[None, :] < torch.tensor(lens)[:, None]
             mask = _additive(keep[:, None, None, :], self.dtype)
-        return DecodeGroup(len(lens), kv_index, kv_len, mask, start, torch.tensor(lens))
+        keys = torch.tensor(lens)
+        ones = torch.ones(len(lens), dtype=torch.int64)
+        return DecodeGroup(len(lens), kv_index, kv_len, mask, start, keys, keys - 1, ones)
 
     def _full_chunks(self, bs: int) -> tuple[PrefillChunk, ...]:
         """Each chunk with the blocks of its own context (for the paths that gather)."""

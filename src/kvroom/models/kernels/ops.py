@@ -26,11 +26,6 @@ def decode_attention(
 ) -> torch.Tensor | None:
     """``[B, H * D]`` attention of one query per sequence over its pool units, read in place.
 
-    Without a softcap it runs the prefill kernel with one query row per sequence (its keys
-    tiled and scored by register-blocked FMAs): 1.0-4x faster than the decode kernel, most
-    at long contexts and in bf16 (8 sequences x 1,500 keys, bf16: 1.38 against 5.52 ms, on
-    an AVX-512 BF16 CPU). The decode kernel serves the softcapped models.
-
     Args:
         q: ``[B, H, D]`` queries, head and dim dense (rows may be strided).
         cache: the layer's pool ``[units, unit_len, 2, kv_heads, D]``, contiguous.
@@ -50,11 +45,6 @@ def decode_attention(
         or not cpu_kernels().native
     ):
         return None
-    if not softcap:  # the prefill kernel, one row per sequence: faster at every length
-        ones = torch.ones(b, dtype=torch.int64)
-        out = prefill_attention(q, cache, tables, lens - 1, ones, scale)
-        if out is not None:
-            return out
     lib = library()
     assert lib is not None
     out = torch.empty(b, h * d, dtype=q.dtype)
