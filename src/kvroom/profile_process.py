@@ -19,12 +19,13 @@ from kvroom.artifact.layout import read_info
 from kvroom.engine.output import SchedulerOutput
 from kvroom.plan.measured import MeasuredTerms
 from kvroom.profiling import (
-    ROUNDS,
+    MEASURED_ROUNDS,
     CpuProbe,
     CudaProbe,
     churn_steps,
     fill_steps,
     peak_steps,
+    round_order,
 )
 
 
@@ -80,6 +81,7 @@ def profile(folder: Path) -> MeasuredTerms:
     plan = info.plan.with_num_blocks(info.config.num_min_blocks, "profile")
     with stages.stage(got, "engine"):
         runtime = assemble_runtime(info, plan, model, tokenizer=tokenizer)
+        runtime.engine.heap_guard = None  # the pass measures the heap as the steps leave it
         runtime.pool.touch()  # a lazily zeroed CPU pool is resident only where touched
     pool_bytes = runtime.pool.nbytes()
     steps = peak_steps(info, runtime.spec.vocab_size)
@@ -128,8 +130,8 @@ def _run_steps(
     got: dict[str, int],
 ) -> dict[str, int]:
     """Warm up on every shape once and on the cache-filling steps, then the largest peak of
-    each shape over the later rounds, counted from the resident state after warm-up (so
-    growth between rounds counts).
+    each shape over ``MEASURED_ROUNDS`` rounds in rotating order (``round_order``), counted
+    from the resident state after warm-up (so growth between rounds counts).
 
     The heap is trimmed (``heap.trim``) after the warm-up and before each measured step, so a
     step's transients count in full as fresh pages: otherwise they may be served from free
@@ -144,9 +146,9 @@ def _run_steps(
         heap.trim()
     baseline = stages.probe.current()
     peaks = dict.fromkeys(steps, 0)
-    for _ in range(ROUNDS - 1):
-        for name, step in steps.items():
-            peak = stages.step_peak(lambda s=step: execute(s), baseline)
+    for r in range(MEASURED_ROUNDS):
+        for name in round_order(list(steps), r):
+            peak = stages.step_peak(lambda s=steps[name]: execute(s), baseline)
             peaks[name] = max(peaks[name], peak)
     return peaks
 

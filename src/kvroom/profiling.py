@@ -35,8 +35,20 @@ from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-ROUNDS = 4
-"""Rounds over the peak shapes: the first warms up, the peaks are the max over the others."""
+MEASURED_ROUNDS = 8
+"""Measured rounds over the peak shapes (after one warm-up round). Each measured step starts
+from a trimmed heap, and where glibc places its transients varies from round to round: the
+``prefill_many`` step of one SmolLM2 fp32 artifact (2,048-token budget) rose 77-102 MB over 33
+rounds of one process, a spread as wide as between processes. The plan takes the largest:
+with 8 draws a deployment's step lands above it about 1 time in 9, and the harness showed
+the deployment's own untrimmed heap settle 25-30 MB below the largest draw."""
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The peak shapes rotated by ``round_index``: each shape follows a different one from
+    round to round, so the heap it starts from differs too."""
+    k = round_index % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 class ProfilingError(KvroomError, RuntimeError):

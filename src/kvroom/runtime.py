@@ -17,6 +17,7 @@ from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
 from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine
 from kvroom.engine.grammar import GrammarCompiler
+from kvroom.engine.heap_guard import HeapGuard
 from kvroom.engine.kv_cache import KVCachePool
 from kvroom.engine.model_runner import ModelRunner, load_model
 from kvroom.engine.scheduler import Scheduler
@@ -37,6 +38,20 @@ class Runtime:
     runner: ModelRunner
     engine: LLMEngine
     tokenizer: Any | None
+
+
+def _heap_guard(plan: MemoryPlan, pool: KVCachePool, device: str) -> HeapGuard | None:
+    """A guard that holds the process to the plan's steady state for the pool's size now
+    (CPU plans with measured terms only)."""
+    terms = plan.measured
+    if terms is None or not str(device).startswith("cpu"):
+        return None
+
+    def steady_bytes(serving: bool) -> int:
+        kv_bytes = plan.with_num_blocks(pool.num_blocks, plan.num_blocks_source).kv_bytes
+        return terms.steady_bytes(kv_bytes, serve=serving) + plan.vision_bytes
+
+    return HeapGuard(steady_bytes)
 
 
 def read_spec(folder: Path) -> ModelSpec:
@@ -129,6 +144,7 @@ def assemble_runtime(
         detokenize=_detokenizer(tokenizer),
         pool=pool,
         grammars=grammars,
+        heap_guard=_heap_guard(plan, pool, device),
     )
     logger.info(plan.summary_line())
     return Runtime(info, plan, spec, pool, runner, engine, tokenizer)

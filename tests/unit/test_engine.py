@@ -9,6 +9,7 @@ from engine_fakes import FakeRunner, hash_token, reference_output, scripted
 
 from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine, RequestOutput
+from kvroom.engine.heap_guard import HeapGuard
 from kvroom.engine.sampling import SamplingParams
 from kvroom.engine.scheduler import Scheduler
 from kvroom.errors import AdmissionError
@@ -228,3 +229,21 @@ def test_step_with_nothing_to_do_does_not_call_the_runner() -> None:
     engine, runner = make_engine()
     assert engine.step() == []
     assert runner.steps == []
+
+
+def test_the_heap_guard_runs_after_every_step_that_computed() -> None:
+    engine, _ = make_engine()
+    reads: list[int] = []
+
+    def read() -> int:
+        reads.append(1)
+        return 0
+
+    engine.heap_guard = HeapGuard(lambda serving: 1 << 40, read=read, min_interval_steps=1)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    engine.step()  # nothing scheduled: no read
+    assert len(reads) == steps

@@ -14,6 +14,7 @@ from kvroom.profiling import (
     churn_steps,
     fill_steps,
     peak_steps,
+    round_order,
 )
 
 
@@ -76,3 +77,12 @@ def test_churn_steps_stay_within_a_short_context_and_small_batch() -> None:
     steps = churn_steps(_info(max_seq_len=16, batch_size=4, max_num_batched_tokens=64), 100)
     shapes = [[len(s.token_ids) for s in step.seqs] for step in steps]
     assert shapes == [[9], [13], [15], [1, 9]]
+
+
+def test_round_order_puts_each_shape_after_a_different_one() -> None:
+    names = list(STEP_SHAPES)
+    orders = [round_order(names, r) for r in range(len(names) + 1)]
+    assert orders[0] == names
+    assert orders[len(names)] == names
+    assert {o[0] for o in orders[: len(names)]} == set(names)
+    assert all(sorted(o) == sorted(names) for o in orders)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from kvroom.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from kvroom.engine.grammar import GrammarCompiler
+from kvroom.engine.heap_guard import HeapGuard
 from kvroom.engine.output import SchedulerOutput, StepResult, TokenLogprobs
 from kvroom.engine.pool_migration import PoolResize
 from kvroom.engine.sampling import SamplingParams
@@ -138,6 +139,7 @@ class LLMEngine:
         detokenize: Callable[[list[int]], str] | None,
         pool: ResizablePool | None = None,
         grammars: GrammarCompiler | None = None,
+        heap_guard: HeapGuard | None = None,
     ) -> None:
         """
         Args:
@@ -148,6 +150,8 @@ class LLMEngine:
             pool: the KV pool, for ``resize_kv_cache`` (None: only the block manager resizes).
             grammars: compiles ``params.structured_outputs`` (the runner's, so its cache is
                 warm when the runner builds the matcher); None refuses constrained requests.
+            heap_guard: trims the heap after a step that leaves the process above the plan's
+                steady state (CPU with measured terms; None: never).
         """
         self.scheduler = scheduler
         self.runner = runner
@@ -156,6 +160,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.grammars = grammars
+        self.heap_guard = heap_guard
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
@@ -240,6 +245,8 @@ class LLMEngine:
         """
         output = self.scheduler.schedule()
         sampled = {} if output.is_empty else self.runner.execute(output)
+        if self.heap_guard is not None and not output.is_empty:
+            self.heap_guard.after_step()
         updated = self.scheduler.update(output, sampled)
         if isinstance(sampled, StepResult):
             self._record_logprobs(sampled)

@@ -84,6 +84,8 @@ def create_app(
     model = runtime.runner.model
     media = Path(allowed_local_media_path) if allowed_local_media_path else None
     engine = AsyncEngine(runtime.engine)
+    if runtime.engine.heap_guard is not None:
+        runtime.engine.heap_guard.serving = True  # the server's own memory is in the plan too
     cfg = runtime.info.config
     live_pool = LivePool(runtime, engine)
     state = ServerState(
