@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from kvroom.models.layers import matmul, packed_bf16_bytes, prepare_weight, widens_bf16_weights
+from kvroom.models.layers import (
+    glu,
+    matmul,
+    mlp,
+    packed_bf16_bytes,
+    prepare_weight,
+    widens_bf16_weights,
+)
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="oneDNN packing only"
@@ -37,3 +44,13 @@ def test_a_packed_bf16_projection_computes_the_product() -> None:
     got = matmul(x, prepare_weight(w))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), x.float() @ w.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 512, 513, 1300])
+def test_mlp_in_row_chunks_equals_the_whole_chunk(rows: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(rows, 16)
+    gate_up = prepare_weight(torch.randn(16, 48))
+    down = prepare_weight(torch.randn(24, 16))
+    whole = matmul(glu(x, gate_up, "silu"), down)
+    torch.testing.assert_close(mlp(x, gate_up, down, "silu"), whole, rtol=1e-5, atol=1e-5)

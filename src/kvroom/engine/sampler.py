@@ -98,6 +98,23 @@ class Sampler:
     ) -> torch.Tensor:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
+        if len(params) <= SAMPLE_ROWS:
+            return self._sample_rows(logits, params, seq_ids, num_generated)
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        for start in range(0, len(params), SAMPLE_ROWS):
+            part = slice(start, start + SAMPLE_ROWS)
+            tokens[part] = self._sample_rows(
+                logits[part], params[part], seq_ids[part], num_generated[part]
+            )
+        return tokens
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seq_ids: Sequence[int],
+        num_generated: Sequence[int],
+    ) -> torch.Tensor:
         probs = filtered_probs(logits, params)
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -119,6 +136,12 @@ class Sampler:
         if gen is None:
             gen = self._generators[seq_id] = torch.Generator(device=self.device)
         return gen.manual_seed(seed)
+
+
+SAMPLE_ROWS = 8
+"""Rows filtered and sampled together. Top-p sorts the whole vocabulary, and its buffers
+(values, int64 order, softmax, cumsum, masks) for a 32-row decode over SmolLM2's 49,152
+tokens were that step's largest transient, about 50 MB; 8 rows at a time hold a quarter."""
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -35,8 +35,8 @@ from kvroom.models.attention import AttentionMetadata, KindBatch, paged_attentio
 from kvroom.models.layers import (
     add_rms_norm,
     apply_rope_,
-    glu,
     matmul,
+    mlp,
     prepare_weight,
     rms_norm,
     rope_cis,
@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         x = self.attention(add_rms_norm(h, None, self.eps, self.eps_value), cis, cache, batch)
         x = add_rms_norm(h, matmul(x, self.o_proj, self.o_bias), self.eps, self.eps_value)
-        h.add_(matmul(glu(x, self.gate_up, self.cfg.act), self.down))
+        h.add_(mlp(x, self.gate_up, self.down, self.cfg.act))
 
     def attention(
         self, x: torch.Tensor, cis: torch.Tensor, cache: torch.Tensor, batch: KindBatch

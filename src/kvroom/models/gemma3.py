@@ -23,7 +23,7 @@ import torch
 from kvroom.model_spec import ModelSpec
 from kvroom.models.attention import KindBatch
 from kvroom.models.decoder import DecoderLayer, DecoderModel, LayerConfig, meta_param
-from kvroom.models.layers import glu, matmul, rms_norm, rounded_scalar
+from kvroom.models.layers import matmul, mlp, rms_norm, rounded_scalar
 
 _ROPE_KINDS = ("sliding_attention", "full_attention")
 
@@ -42,8 +42,8 @@ class Gemma3Layer(DecoderLayer):
         eps = self.eps
         attn = matmul(self.attention(rms_norm(h, eps), cis, cache, batch), self.o_proj)
         h.add_(rms_norm(attn, eps, self.post_attn_norm))
-        mlp = matmul(glu(rms_norm(h, eps), self.gate_up, self.cfg.act), self.down)
-        h.add_(rms_norm(mlp, eps, self.post_mlp_norm))
+        mlp_out = mlp(rms_norm(h, eps), self.gate_up, self.down, self.cfg.act)
+        h.add_(rms_norm(mlp_out, eps, self.post_mlp_norm))
 
 
 class Gemma3Model(DecoderModel):

@@ -33,8 +33,8 @@ from kvroom.models.gemma4_moe import Gemma4MoE
 from kvroom.models.kv_layouts import k_eq_v_attention, store_ring_write, without_ring_write
 from kvroom.models.layers import (
     apply_rope_,
-    glu,
     matmul,
+    mlp,
     prepare_weight,
     rms_norm,
     rope_cis,
@@ -130,10 +130,10 @@ class Gemma4Layer(nn.Module):
         eps = self.eps
         attn = matmul(self.attention(rms_norm(h, eps), cis, cache, batch, step), self.o_proj)
         h.add_(rms_norm(attn, eps, self.post_attn_norm))
-        mlp = matmul(glu(rms_norm(h, eps), self.gate_up, "gelu_tanh"), self.down)
+        mlp_out = mlp(rms_norm(h, eps), self.gate_up, self.down, "gelu_tanh")
         if self.moe is not None:
-            mlp = self.moe(h, mlp)
-        h.add_(rms_norm(mlp, eps, self.post_mlp_norm))
+            mlp_out = self.moe(h, mlp_out)
+        h.add_(rms_norm(mlp_out, eps, self.post_mlp_norm))
         if ple is not None:
             gate = F.gelu(matmul(h, self.ple_gate), approximate="tanh").mul_(ple[:, self.index])
             h.add_(rms_norm(matmul(gate, self.ple_proj), eps, self.ple_norm))
