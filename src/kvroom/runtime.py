@@ -41,17 +41,16 @@ class Runtime:
 
 
 def _heap_guard(plan: MemoryPlan, pool: KVCachePool, device: str) -> HeapGuard | None:
-    """A guard that holds the process to the plan's steady state for the pool's size now
-    (CPU plans with measured terms only)."""
-    terms = plan.measured
-    if terms is None or not str(device).startswith("cpu"):
+    """A guard that holds the process under the plan's total for the pool's size now (CPU
+    plans with measured terms only)."""
+    if plan.measured is None or not str(device).startswith("cpu"):
         return None
 
-    def steady_bytes(serving: bool) -> int:
-        kv_bytes = plan.with_num_blocks(pool.num_blocks, plan.num_blocks_source).kv_bytes
-        return terms.steady_bytes(kv_bytes, serve=serving) + plan.vision_bytes
+    def total_bytes(serving: bool) -> int:
+        now = plan.with_num_blocks(pool.num_blocks, plan.num_blocks_source)
+        return now.serve_total_bytes if serving else now.total_bytes
 
-    return HeapGuard(steady_bytes)
+    return HeapGuard(total_bytes)
 
 
 def read_spec(folder: Path) -> ModelSpec:

@@ -231,7 +231,7 @@ def test_step_with_nothing_to_do_does_not_call_the_runner() -> None:
     assert runner.steps == []
 
 
-def test_the_heap_guard_runs_after_every_step_that_computed() -> None:
+def test_the_heap_guard_reads_around_every_step_that_computed() -> None:
     engine, _ = make_engine()
     reads: list[int] = []
 
@@ -239,11 +239,11 @@ def test_the_heap_guard_runs_after_every_step_that_computed() -> None:
         reads.append(1)
         return 0
 
-    engine.heap_guard = HeapGuard(lambda serving: 1 << 40, read=read, min_interval_steps=1)
+    engine.heap_guard = HeapGuard(lambda serving: 1 << 40, read=read)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
     engine.step()  # nothing scheduled: no read
-    assert len(reads) == steps
+    assert len(reads) == 2 * steps  # before and after each step

@@ -1,4 +1,4 @@
-"""The heap guard trims only above the plan's steady state, at most once per interval."""
+"""The heap guard trims only when the next step could pass the plan's total."""
 
 from __future__ import annotations
 
@@ -6,59 +6,89 @@ from kvroom.engine.heap_guard import HeapGuard, resident_bytes
 
 
 class _Process:
-    def __init__(self, resident: int) -> None:
+    """A resident set that steps grow and trims bring back to ``trimmed``."""
+
+    def __init__(self, resident: int, trimmed: int = 100) -> None:
         self.resident = resident
+        self.trimmed = trimmed
         self.trims = 0
 
     def trim(self) -> None:
         self.trims += 1
-        self.resident = 100
+        self.resident = self.trimmed
 
 
-def _guard(process: _Process, interval: int = 4) -> HeapGuard:
-    marks = {False: 150, True: 250}
+def _guard(process: _Process, **kwargs: int) -> HeapGuard:
+    totals = {False: 200, True: 300}
     return HeapGuard(
-        lambda serving: marks[serving],
-        min_interval_steps=interval,
+        lambda serving: totals[serving],
         read=lambda: process.resident,
         trim=process.trim,
+        **kwargs,
     )
 
 
-def test_no_trim_at_or_below_the_steady_state() -> None:
+def _step(guard: HeapGuard, process: _Process, growth: int) -> None:
+    guard.before_step()
+    process.resident += growth
+    guard.after_step()
+
+
+def test_a_settled_heap_below_the_total_is_left_alone() -> None:
     process = _Process(150)
     guard = _guard(process)
-    for _ in range(20):
-        guard.after_step()
+    for _ in range(50):
+        _step(guard, process, 0)
     assert process.trims == 0
 
 
-def test_trims_when_above_and_waits_the_interval_before_the_next() -> None:
-    process = _Process(200)
-    guard = _guard(process, interval=4)
-    guard.after_step()
-    assert (process.trims, process.resident) == (1, 100)
-    process.resident = 200
-    for _ in range(3):
-        guard.after_step()
+def test_trims_when_the_last_steps_growth_would_pass_the_total() -> None:
+    process = _Process(150)
+    guard = _guard(process)
+    _step(guard, process, 10)  # right after loading: not counted as growth
+    _step(guard, process, 10)  # 170, headroom 10: 180 <= 200
+    _step(guard, process, 10)  # 180 + 10 = 190
+    assert process.trims == 0
+    _step(guard, process, 15)  # 195 + 15 > 200
+    assert process.trims == 1 and process.resident == 100
+
+
+def test_growth_right_after_a_trim_sets_no_headroom() -> None:
+    process = _Process(150)
+    guard = _guard(process)
+    _step(guard, process, 0)
+    _step(guard, process, 60)  # 210 > 200: trimmed to 100
+    _step(guard, process, 80)  # the re-fault after the trim: 180, headroom stays 60
+    assert process.trims == 2  # 180 + 60 > 200
+    _step(guard, process, 80)  # after a trim again
+    assert process.trims == 3
+
+
+def test_cooldown_when_a_trim_cannot_bring_the_process_under() -> None:
+    process = _Process(250, trimmed=240)
+    guard = _guard(process, cooldown_steps=5)
+    _step(guard, process, 0)
     assert process.trims == 1
-    guard.after_step()
+    for _ in range(5):
+        _step(guard, process, 0)
+    assert process.trims == 1
+    _step(guard, process, 0)
     assert process.trims == 2
-    assert guard.num_trims == 2
 
 
-def test_serving_uses_the_servers_mark() -> None:
-    process = _Process(200)
+def test_serving_uses_the_servers_total() -> None:
+    process = _Process(250)
     guard = _guard(process)
     guard.serving = True
-    guard.after_step()
+    for _ in range(3):
+        _step(guard, process, 0)
     assert process.trims == 0
 
 
 def test_unknown_resident_set_does_nothing() -> None:
     process = _Process(10**9)
     guard = HeapGuard(lambda serving: 1, read=lambda: None, trim=process.trim)
-    guard.after_step()
+    _step(guard, process, 0)
     assert process.trims == 0
 
 

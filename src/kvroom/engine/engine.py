@@ -150,8 +150,8 @@ class LLMEngine:
             pool: the KV pool, for ``resize_kv_cache`` (None: only the block manager resizes).
             grammars: compiles ``params.structured_outputs`` (the runner's, so its cache is
                 warm when the runner builds the matcher); None refuses constrained requests.
-            heap_guard: trims the heap after a step that leaves the process above the plan's
-                steady state (CPU with measured terms; None: never).
+            heap_guard: trims the heap between steps when the next one could take the process
+                past the plan's total (CPU with measured terms; None: never).
         """
         self.scheduler = scheduler
         self.runner = runner
@@ -244,9 +244,12 @@ class LLMEngine:
             One output per request that got a token or finished (aborts first).
         """
         output = self.scheduler.schedule()
+        guard = None if output.is_empty else self.heap_guard
+        if guard is not None:
+            guard.before_step()
         sampled = {} if output.is_empty else self.runner.execute(output)
-        if self.heap_guard is not None and not output.is_empty:
-            self.heap_guard.after_step()
+        if guard is not None:
+            guard.after_step()
         updated = self.scheduler.update(output, sampled)
         if isinstance(sampled, StepResult):
             self._record_logprobs(sampled)

@@ -93,10 +93,6 @@ class MeasuredTerms:
         steady += self.engine_bytes + self.warmup_bytes
         return steady + self.step_bytes + (self.server_bytes if serve else 0)
 
-    def steady_bytes(self, kv_bytes: int, *, serve: bool) -> int:
-        """Between steps, with a pool of ``kv_bytes``: the run peak less the largest step."""
-        return self.fixed_bytes(serve=serve) - self.step_bytes + kv_bytes
-
     def total_bytes(self, kv_bytes: int, *, serve: bool) -> int:
         """The process's peak with a pool of ``kv_bytes``."""
         server = self.server_bytes if serve else 0
