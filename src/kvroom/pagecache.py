@@ -7,9 +7,10 @@ folio it hits. A file written in large pieces (as ``pip install`` or an image ex
 writes a library) sits in the cache in large folios; a file read back from disk sits in small
 ones. Measured with the imports of ``kvroom.LLM`` (torch, transformers, kvroom) on Linux 6.18,
 ext4: 80 MB of file pages after libtorch was read from disk, 151 MB after it was written in
-one piece, the anonymous memory 170.2 MB in both. Reading a file through (``read``,
-``POSIX_FADV_WILLNEED``) does not build large folios, nor does writing it in 64 KiB pieces;
-writing it in one piece does.
+one piece, the anonymous memory 170.2 MB in both. Writing a file in 64 KiB pieces does not
+build large folios; writing it in one piece does, and so did reading the dropped files back
+through in 1 MiB reads on another day (a tiny model's run then peaked at 430 MB instead of
+305 MB): readahead decides, so the harness leaves the first reads to the processes it measures.
 
 ``drop`` puts the libraries in the read-from-disk state (the pages no process maps leave the
 cache and come back small), so runs measured after it do not depend on how the libraries were
