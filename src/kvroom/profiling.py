@@ -39,9 +39,9 @@ MEASURED_ROUNDS = 8
 """Measured rounds over the peak shapes (after one warm-up round). Each measured step starts
 from a trimmed heap, and where glibc places its transients varies from round to round: the
 ``prefill_many`` step of one SmolLM2 fp32 artifact (2,048-token budget) rose 77-102 MB over 33
-rounds of one process, a spread as wide as between processes. The plan takes the largest:
-with 8 draws a deployment's step lands above it about 1 time in 9, and the harness showed
-the deployment's own untrimmed heap settle 25-30 MB below the largest draw."""
+rounds of one process, a spread as wide as between processes (35-56 MB once the sampler and
+the MLP held less at once). The plan takes the largest; were the rounds independent draws, a
+deployment's step would land above the largest of 8 about 1 time in 9."""
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
