@@ -9,7 +9,7 @@ from engine_fakes import FakeRunner, hash_token, reference_output, scripted
 
 from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine, RequestOutput
-from kvroom.engine.heap_guard import HeapGuard
+from kvroom.engine.heap_guard import HeapGuard, Resident
 from kvroom.engine.sampling import SamplingParams
 from kvroom.engine.scheduler import Scheduler
 from kvroom.errors import AdmissionError
@@ -235,9 +235,9 @@ def test_the_heap_guard_reads_around_every_step_that_computed() -> None:
     engine, _ = make_engine()
     reads: list[int] = []
 
-    def read() -> int:
+    def read() -> Resident:
         reads.append(1)
-        return 0
+        return Resident(0, 0)
 
     engine.heap_guard = HeapGuard(lambda serving: 1 << 40, read=read)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvroom.engine.heap_guard import HeapGuard, resident_bytes
+from kvroom.engine.heap_guard import HeapGuard, Resident, resident
 
 
 class _Process:
@@ -10,8 +10,13 @@ class _Process:
 
     def __init__(self, resident: int, trimmed: int = 100) -> None:
         self.resident = resident
+        self.peak = resident
         self.trimmed = trimmed
         self.trims = 0
+
+    def read(self) -> Resident:
+        self.peak = max(self.peak, self.resident)
+        return Resident(self.resident, self.peak)
 
     def trim(self) -> None:
         self.trims += 1
@@ -22,15 +27,17 @@ def _guard(process: _Process, **kwargs: int) -> HeapGuard:
     totals = {False: 200, True: 300}
     return HeapGuard(
         lambda serving: totals[serving],
-        read=lambda: process.resident,
+        read=process.read,
         trim=process.trim,
         **kwargs,
     )
 
 
-def _step(guard: HeapGuard, process: _Process, growth: int) -> None:
+def _step(guard: HeapGuard, process: _Process, growth: int, transient: int = 0) -> None:
     guard.before_step()
-    process.resident += growth
+    process.resident += growth + transient
+    process.read()  # the step's peak
+    process.resident -= transient
     guard.after_step()
 
 
@@ -51,6 +58,25 @@ def test_trims_when_the_last_steps_growth_would_pass_the_total() -> None:
     assert process.trims == 0
     _step(guard, process, 15)  # 195 + 15 > 200
     assert process.trims == 1 and process.resident == 100
+
+
+def test_a_transient_that_sets_a_new_peak_counts_as_headroom() -> None:
+    process = _Process(150)
+    guard = _guard(process)
+    _step(guard, process, 0)
+    _step(guard, process, 5, transient=20)  # peak 175: rise 25, ends at 155
+    assert process.trims == 0
+    _step(guard, process, 25)  # 180 + 25 > 200
+    assert process.trims == 1
+
+
+def test_a_transient_below_an_earlier_peak_is_not_seen() -> None:
+    process = _Process(150)
+    guard = _guard(process)
+    _step(guard, process, 0, transient=40)  # peak 190, right after loading
+    _step(guard, process, 0, transient=30)  # under the peak: rise 0
+    _step(guard, process, 45)  # 195, headroom 45: trimmed
+    assert process.trims == 1
 
 
 def test_growth_right_after_a_trim_sets_no_headroom() -> None:
@@ -92,6 +118,6 @@ def test_unknown_resident_set_does_nothing() -> None:
     assert process.trims == 0
 
 
-def test_resident_bytes_reads_this_process() -> None:
-    resident = resident_bytes()
-    assert resident is not None and resident > 1 << 20
+def test_resident_reads_this_process() -> None:
+    now = resident()
+    assert now is not None and now.peak_bytes >= now.now_bytes > 1 << 20

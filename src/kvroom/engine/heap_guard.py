@@ -8,36 +8,52 @@ preemption) the resident set between steps crept 4 MB in 3,500 steps, and the ru
 0.7% over the plan. A heap that has settled is harmless (its steps reuse the free chunks and
 grow it by nothing); a heap that keeps growing is not.
 
-So after each step the guard reads the resident set (``/proc/self/statm``, about 10 us) and
-trims the heap (``malloc_trim``) when the next step could take the process past the plan's
-total: when ``resident + headroom > total``, with ``headroom`` the largest growth of one step
-over the last ``window_steps`` steps that began from an untrimmed heap (the step right after
-a trim re-faults its transients, which the plan's step term counts). When a trim leaves the
+So around each step the guard reads the resident set and its peak (``/proc/self/status``,
+tens of microseconds) and trims the heap (``malloc_trim``) when the next step could take the
+process past the plan's total: when ``resident + headroom > total``, with ``headroom`` the
+largest rise of one step over the last ``window_steps`` steps that began from an untrimmed
+heap (the step right after a trim re-faults its transients, which the plan's step term
+counts). A step's rise is how far it took the resident set, or its peak where the step set a
+new one: transients freed before the step ended count too. When a trim leaves the
 process above the mark anyway (live memory beyond the plan, such as a long request queue),
 it waits ``cooldown_steps`` before it tries again: trimming then only costs page faults.
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from kvroom import heap
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-STATM = "/proc/self/statm"
+STATUS = "/proc/self/status"
 WINDOW_STEPS = 16
 COOLDOWN_STEPS = 64
 
 
-def resident_bytes() -> int | None:
-    """This process's resident set (``statm``'s second field), or None where unreadable."""
+class Resident(NamedTuple):
+    now_bytes: int
+    """``VmRSS``."""
+    peak_bytes: int
+    """``VmHWM``: the most the process has held so far."""
+
+
+def resident() -> Resident | None:
+    """This process's resident set and its peak, or None where unreadable."""
     try:
-        with open(STATM, "rb") as f:
-            return int(f.read().split()[1]) * PAGE_BYTES
-    except (OSError, IndexError, ValueError):
+        with open(STATUS, "rb") as f:
+            fields = dict(_kib_fields(f.read()))
+        return Resident(fields[b"VmRSS:"], fields[b"VmHWM:"])
+    except (OSError, KeyError, ValueError):
         return None
+
+
+def _kib_fields(status: bytes) -> Iterator[tuple[bytes, int]]:
+    for line in status.splitlines():
+        if line.startswith((b"VmRSS:", b"VmHWM:")):
+            key, value = line.split()[:2]
+            yield key, int(value) * 1024
 
 
 class HeapGuard:
@@ -49,7 +65,7 @@ class HeapGuard:
         *,
         window_steps: int = WINDOW_STEPS,
         cooldown_steps: int = COOLDOWN_STEPS,
-        read: Callable[[], int | None] = resident_bytes,
+        read: Callable[[], Resident | None] = resident,
         trim: Callable[[], None] = heap.trim,
     ) -> None:
         """
@@ -58,7 +74,7 @@ class HeapGuard:
                 process serves HTTP (``kvroom serve`` holds the server's term too).
             window_steps: how many recent steps' growth sets the headroom.
             cooldown_steps: steps to wait after a trim that left the process above the mark.
-            read: the resident set now (None: unknown, nothing is done).
+            read: the resident set and its peak now (None: unknown, nothing is done).
             trim: returns the heap's free pages to the kernel.
         """
         self.total_bytes = total_bytes
@@ -68,7 +84,7 @@ class HeapGuard:
         self.serving = False
         self.num_trims = 0
         self._growth: deque[int] = deque(maxlen=window_steps)
-        self._before: int | None = None
+        self._before: Resident | None = None
         self._after_trim = True  # the heap was trimmed after loading
         self._cooldown = 0
 
@@ -76,21 +92,28 @@ class HeapGuard:
         self._before = self.read()
 
     def after_step(self) -> None:
-        after = self.read()
-        if after is None or self._before is None:
+        after, before = self.read(), self._before
+        if after is None or before is None:
             return
         if not self._after_trim:
-            self._growth.append(max(after - self._before, 0))
+            self._growth.append(_rise(before, after))
         self._after_trim = False
         if self._cooldown:
             self._cooldown -= 1
             return
         mark = self.total_bytes(self.serving) - max(self._growth, default=0)
-        if after <= mark:
+        if after.now_bytes <= mark:
             return
         self.trim()
         self.num_trims += 1
         self._after_trim = True
         now = self.read()
-        if now is not None and now > mark:
+        if now is not None and now.now_bytes > mark:
             self._cooldown = self.cooldown_steps
+
+
+def _rise(before: Resident, after: Resident) -> int:
+    """How far a step took the process above where it began: to its end state, or to its
+    peak where the step set a new one."""
+    top = after.peak_bytes if after.peak_bytes > before.peak_bytes else after.now_bytes
+    return max(top - before.now_bytes, 0)
