@@ -47,7 +47,7 @@ deployment's step would land above the largest of 8 about 1 time in 9."""
 def round_order(names: list[str], round_index: int) -> list[str]:
     """The peak shapes rotated by ``round_index``: each shape follows a different one from
     round to round, so the heap it starts from differs too."""
-    k = round_index % len(names) if names else 0
+    k = round_index % len(names)
     return names[k:] + names[:k]
 
 
