@@ -41,8 +41,8 @@ class Runtime:
 
 
 def _heap_guard(plan: MemoryPlan, pool: KVCachePool, device: str) -> HeapGuard | None:
-    """A guard that holds the process under the plan's total for the pool's size now (CPU
-    plans with measured terms only)."""
+    """A guard that holds the process under the plan's total for the pool's size now, with
+    the plan's room for one step kept free (CPU plans with measured terms only)."""
     if plan.measured is None or not str(device).startswith("cpu"):
         return None
 
@@ -50,7 +50,7 @@ def _heap_guard(plan: MemoryPlan, pool: KVCachePool, device: str) -> HeapGuard |
         now = plan.with_num_blocks(pool.num_blocks, plan.num_blocks_source)
         return now.serve_total_bytes if serving else now.total_bytes
 
-    return HeapGuard(total_bytes)
+    return HeapGuard(total_bytes, plan.measured.step_bytes)
 
 
 def read_spec(folder: Path) -> ModelSpec:

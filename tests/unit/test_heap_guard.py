@@ -23,10 +23,11 @@ class _Process:
         self.resident = self.trimmed
 
 
-def _guard(process: _Process, **kwargs: int) -> HeapGuard:
+def _guard(process: _Process, step_bytes: int = 0, **kwargs: int) -> HeapGuard:
     totals = {False: 200, True: 300}
     return HeapGuard(
         lambda serving: totals[serving],
+        step_bytes,
         read=process.read,
         trim=process.trim,
         **kwargs,
@@ -58,6 +59,27 @@ def test_trims_when_the_last_steps_growth_would_pass_the_total() -> None:
     assert process.trims == 0
     _step(guard, process, 15)  # 195 + 15 > 200
     assert process.trims == 1 and process.resident == 100
+
+
+def test_keeps_the_plans_step_room_free_even_when_recent_steps_rose_less() -> None:
+    process = _Process(150)
+    guard = _guard(process, step_bytes=30)
+    _step(guard, process, 0)
+    _step(guard, process, 10)  # 160 + max(30, 10) <= 200
+    _step(guard, process, 10)  # 170 + 30 <= 200
+    assert process.trims == 0
+    _step(guard, process, 5)  # 175 + 30 > 200, though no step rose more than 10
+    assert process.trims == 1 and process.resident == 100
+
+
+def test_recent_growth_above_the_step_room_widens_the_headroom() -> None:
+    process = _Process(150)
+    guard = _guard(process, step_bytes=5)
+    _step(guard, process, 0)
+    _step(guard, process, 20)  # 170 + 20 <= 200
+    assert process.trims == 0
+    _step(guard, process, 15)  # 185 + 20 > 200
+    assert process.trims == 1
 
 
 def test_a_transient_that_sets_a_new_peak_counts_as_headroom() -> None:

@@ -10,13 +10,17 @@ grow it by nothing); a heap that keeps growing is not.
 
 So around each step the guard reads the resident set and its peak (``/proc/self/status``,
 tens of microseconds) and trims the heap (``malloc_trim``) when the next step could take the
-process past the plan's total: when ``resident + headroom > total``, with ``headroom`` the
-largest rise of one step over the last ``window_steps`` steps that began from an untrimmed
-heap (the step right after a trim re-faults its transients, which the plan's step term
-counts). A step's rise is how far it took the resident set, or its peak where the step set a
-new one: transients freed before the step ended count too. When a trim leaves the
-process above the mark anyway (live memory beyond the plan, such as a long request queue),
-it waits ``cooldown_steps`` before it tries again: trimming then only costs page faults.
+process past the plan's total: when ``resident + headroom > total``. ``headroom`` is the room
+the plan sets aside for one step's transients (its largest step term), or the largest rise of
+one step over the last ``window_steps`` steps that began from an untrimmed heap where that is
+more (the step right after a trim re-faults its transients, which the plan's step term
+counts). The plan's room is the floor because a step shape the last steps did not take can
+still come: with the recent rises alone, a settled heap crept up to the total and the next
+new shape took a tiny Gemma 3 run (2,048-token context) 0.4% past it. A step's rise is how
+far it took the resident set, or its peak where the step set a new one: transients freed
+before the step ended count too. When a trim leaves the process above the mark anyway (live
+memory beyond the plan, such as a long request queue), it waits ``cooldown_steps`` before it
+tries again: trimming then only costs page faults.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class HeapGuard:
     def __init__(
         self,
         total_bytes: Callable[[bool], int],
+        step_bytes: int = 0,
         *,
         window_steps: int = WINDOW_STEPS,
         cooldown_steps: int = COOLDOWN_STEPS,
@@ -72,12 +77,14 @@ class HeapGuard:
         Args:
             total_bytes: the plan's total for the pool as it is now, given whether the
                 process serves HTTP (``kvroom serve`` holds the server's term too).
+            step_bytes: the plan's room for one step's transients (its largest step term).
             window_steps: how many recent steps' growth sets the headroom.
             cooldown_steps: steps to wait after a trim that left the process above the mark.
             read: the resident set and its peak now (None: unknown, nothing is done).
             trim: returns the heap's free pages to the kernel.
         """
         self.total_bytes = total_bytes
+        self.step_bytes = step_bytes
         self.cooldown_steps = cooldown_steps
         self.read = read
         self.trim = trim
@@ -101,7 +108,8 @@ class HeapGuard:
         if self._cooldown:
             self._cooldown -= 1
             return
-        mark = self.total_bytes(self.serving) - max(self._growth, default=0)
+        headroom = max([self.step_bytes, *self._growth])
+        mark = self.total_bytes(self.serving) - headroom
         if after.now_bytes <= mark:
             return
         self.trim()
