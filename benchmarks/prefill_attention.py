@@ -1,9 +1,22 @@
-"""Prefill attention of one fresh prompt, three paths in one run: gathered from the pool under a
-mask tensor (torch, a chunk with cached context), the step's own K/V under SDPA's causal mask
-(torch, ``PrefillGroup.fresh``), and the native kernel reading K/V in place from the blocks
+"""Prefill attention, paths alternating in one run (noisy machines see them under the same load).
+
+    python benchmarks/prefill_attention.py fresh [--tokens 1500] [--repeats 5]
+    python benchmarks/prefill_attention.py context [--chunks 512 1024 2048]
+        [--contexts 0 16 500 1000 1500] [--dtypes float32 bfloat16] [--rounds 7]
+    python benchmarks/prefill_attention.py ttft --artifact artifacts/smollm2-135m-float32
+        [--rounds 7]
+
+``fresh``: one prompt at position 0, gathered from the pool (causal, as a chunk), the step's own
+K/V under SDPA's causal mask (``PrefillGroup.fresh``), and the native kernel reading K/V in place
 (``kernels.ops.prefill_attention``, where it is built).
 
-    python benchmarks/prefill_attention.py [--tokens 1500] [--repeats 5]
+``context``: one chunk after ``start`` cached positions, its keys gathered from the pool: under a
+bottom-right mask tensor in one SDPA call ("masked"), as the cached part unmasked plus the chunk's
+own keys under the causal mask, merged by log-sum-exp ("split", what kvroom runs on CPU), and the
+native kernel. Prints per-call medians and split/masked, native/masked ratios.
+
+``ttft``: ``vllm_peer.py``'s TTFT workload (8 prompts of 1,500 tokens, one greedy token each,
+no prefix caching) through ``kvroom.LLM``, cached-context chunks split vs masked, alternating.
 
 Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64, block size 16).
 """
@@ -11,57 +24,178 @@ Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64, block 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
 
 import torch
 
-from kvroom.models.attention import KindBatch, PrefillGroup, paged_attention
+from kvroom.models import attention
+from kvroom.models.attention import KindBatch, PrefillChunk, PrefillGroup, paged_attention
 from kvroom.models.kernels import cpu_kernels
+from kvroom.models.kernels import ops as native
+
+TTFT_PROMPTS, TTFT_LEN = 8, 1500  # vllm_peer.py's TTFT workload
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=1500)
+    parser.add_argument("mode", nargs="?", choices=("fresh", "context", "ttft"), default="fresh")
+    parser.add_argument("--artifact", type=Path, help="ttft: compiled artifact to run")
+    parser.add_argument("--tokens", type=int, default=1500, help="fresh: prompt length")
+    parser.add_argument("--repeats", type=int, default=5, help="fresh: calls per timing")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[0, 16, 500, 1000, 1500])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=7, help="context: timed calls per path")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    t, d, bs = args.tokens, args.head_dim, args.block_size
-    num_blocks = -(-t // bs)
     torch.manual_seed(0)
-    cache = torch.zeros(num_blocks, bs, 2, args.kv_heads, d)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.mode == "fresh":
+        fresh(args)
+        return
+    if args.mode == "ttft":
+        ttft(args)
+        return
+    print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{'dtype':<9} {'chunk':>5} {'start':>5}  {'masked':>9} {'split':>9} {'native':>9}", end=""
+    )
+    print(f"  {'split/m':>7} {'native/m':>8}  max|split-masked|")
+    for name in args.dtypes:
+        for q_len in args.chunks:
+            for start in args.contexts:
+                context(args, getattr(torch, name), q_len, start)
+
+
+def _pool(args: argparse.Namespace, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pool holding ``tokens`` random keys and values in blocks ``0 .. n - 1``."""
+    n = -(-tokens // args.block_size)
+    return torch.randn(n, args.block_size, 2, args.kv_heads, args.head_dim).to(dtype)
+
+
+@contextmanager
+def _masked() -> Iterator[None]:
+    """Chunks with cached context take the single masked SDPA call instead of the split."""
+    with mock.patch.object(attention, "_split_applies", lambda *_: False):
+        yield
+
+
+def _timed(fn: Callable[[], torch.Tensor]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def context(args: argparse.Namespace, dtype: torch.dtype, q_len: int, start: int) -> None:
+    """One chunk of ``q_len`` tokens after ``start`` cached ones, the paths alternating."""
+    cache = _pool(args, start + q_len, dtype)
+    q = torch.randn(q_len, args.heads, args.head_dim).to(dtype)
+    table = torch.arange(cache.shape[0])[None]
+    chunk = PrefillChunk(0, q_len, start, start + q_len, table)
+    scale = args.head_dim**-0.5
+
+    def masked() -> torch.Tensor:
+        with _masked():
+            return attention._prefill_chunks(q, cache, (chunk,), scale, None)
+
+    def split() -> torch.Tensor:
+        return attention._prefill_chunks(q, cache, (chunk,), scale, None)
+
+    paths: dict[str, Callable[[], torch.Tensor]] = {"masked": masked, "split": split}
+    starts, q_lens = torch.tensor([start]), torch.tensor([q_len])
+    if native.prefill_attention(q, cache, table, starts, q_lens, scale) is not None:
+        paths["native"] = lambda: native.prefill_attention(q, cache, table, starts, q_lens, scale)
+    diff = (split().float() - masked().float()).abs().max().item()
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    for _ in range(args.rounds):
+        for p, fn in paths.items():
+            times[p].append(_timed(fn))
+    ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
+    cells = [f"{ms.get(p, float('nan')):9.2f}" for p in ("masked", "split", "native")]
+    ratio = ms["split"] / ms["masked"]
+    nat = ms.get("native", float("nan")) / ms["masked"]
+    line = f"{str(dtype)[6:]:<9} {q_len:>5} {start:>5}  {' '.join(cells)}  {ratio:7.3f} {nat:8.3f}"
+    print(f"{line}  {diff:.1e}", flush=True)
+
+
+def ttft(args: argparse.Namespace) -> None:
+    """Seconds until all 8 x 1,500-token prompts have their first token, both paths."""
+    from vllm_peer import long_prompts  # benchmarks/ is on sys.path when run as a script
+
+    from kvroom.bench import bench_kvroom
+    from kvroom.llm import LLM
+
+    llm = LLM(args.artifact, enable_prefix_caching=False)
+    prompts = long_prompts(llm.tokenizer, TTFT_PROMPTS, TTFT_LEN)
+
+    def masked() -> list[list[int]]:
+        with _masked():
+            return bench_kvroom(llm, prompts, 1)[1]
+
+    def split() -> list[list[int]]:
+        return bench_kvroom(llm, prompts, 1)[1]
+
+    same = masked() == split()  # also the warm-up
+    paths = {"masked": masked, "split": split}
+    wall: dict[str, list[float]] = {p: [] for p in paths}
+    cpu: dict[str, list[float]] = {p: [] for p in paths}
+    for _ in range(args.rounds):
+        for p, fn in paths.items():
+            start = time.process_time()
+            wall[p].append(_timed(fn))
+            cpu[p].append(time.process_time() - start)
+    print(f"{args.artifact} ({llm.runtime.info.config.dtype}), {torch.get_num_threads()} threads")
+    print(f"TTFT {TTFT_PROMPTS} x {TTFT_LEN}, same first tokens: {same}; medians of {args.rounds}:")
+    for name, secs in (("wall", wall), ("cpu", cpu)):
+        med = {p: statistics.median(t) for p, t in secs.items()}
+        runs = " ".join(f"{p} " + " ".join(f"{x:.2f}" for x in t) for p, t in secs.items())
+        print(f"  {name}: masked {med['masked']:.2f} s, split {med['split']:.2f} s,", end="")
+        print(f" split/masked {med['split'] / med['masked']:.3f}  ({runs})")
+
+
+def fresh(args: argparse.Namespace) -> None:
+    """One fresh prompt, three paths (the first two in ``paged_attention``)."""
+    t, d = args.tokens, args.head_dim
+    cache = _pool(args, t, torch.float32)
     q = torch.randn(t, args.heads, d)
-    kv = torch.randn(t, 2, args.kv_heads, d)
-    keys = num_blocks * bs
-    allowed = torch.arange(keys)[None, :] <= torch.arange(t)[:, None]
-    mask = torch.zeros(1, 1, t, keys).masked_fill_(~allowed, float("-inf"))
-    gathered = PrefillGroup(0, 1, t, None, torch.arange(num_blocks)[None], mask)
-    fresh = dataclasses.replace(gathered, mask=None, fresh=True)
-    chunk = {"starts": torch.tensor([0]), "q_lens": torch.tensor([t])}
-    native = dataclasses.replace(fresh, **chunk)
-    paths = [("gathered + mask", gathered), ("fresh, causal", fresh)]
-    if cpu_kernels().native:
-        paths.append(("native, in place", native))
+    kv = cache.view(-1, 2, args.kv_heads, d)[:t].clone()
+    table = torch.arange(cache.shape[0])[None]
+    starts, q_lens = torch.tensor([0]), torch.tensor([t])
+    chunks = (PrefillChunk(0, t, 0, t, table),)
+    gathered = PrefillGroup(0, 1, t, None, table, chunks=chunks)
+    own = PrefillGroup(0, 1, t, None, table, fresh=True)
 
     def run(group: PrefillGroup) -> torch.Tensor:
         batch = KindBatch(sliding=False, write_index=torch.arange(t), decode=None, prefill=group)
         return paged_attention(q, kv, cache, batch, d**-0.5)
 
+    paths: dict[str, Callable[[], torch.Tensor]] = {
+        "gathered, causal": lambda: run(gathered),
+        "fresh, causal": lambda: run(own),
+    }
+    if cpu_kernels().native:
+        paths["native, in place"] = lambda: native.prefill_attention(
+            q, cache, table, starts, q_lens, d**-0.5
+        )
     ref = run(gathered)
-    diff = max((run(group) - ref).abs().max().item() for _, group in paths)
+    diff = max((fn() - ref).abs().max().item() for fn in paths.values())
     flops = 4 * t * (t + 1) / 2 * args.heads * d
     print(f"{t} tokens, {args.heads}/{args.kv_heads} heads x {d}; max |difference| {diff:.1e}")
     print(f"causal attention: {flops / 1e9:.2f} GFLOP per layer; load {os.getloadavg()[0]:.1f}")
     for _ in range(2):  # alternate, so all see the same machine
-        for name, group in paths:
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                run(group)
-            ms = (time.perf_counter() - start) / args.repeats * 1e3
+        for name, fn in paths.items():
+            ms = statistics.mean(_timed(fn) for _ in range(args.repeats)) * 1e3
             rate = flops / ms / 1e6
             print(f"  {name:<16} {ms:7.1f} ms per layer ({rate:.0f} GFLOP/s causal)")
 

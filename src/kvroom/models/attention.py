@@ -279,7 +279,7 @@ def _prefill_full(
     own K/V under its causal mask (torch's flash kernel measured ~20% faster than the native
     one on a whole prompt). Chunks with cached context: the native kernel reads every key in
     place from the pool (no gather, no mask tensor), else SDPA over the gathered blocks
-    under the causal mask."""
+    (``_prefill_chunks``)."""
     in_place = g.starts is not None and g.q_lens is not None and softcap is None
     if not g.fresh and in_place and not _sdpa_context_prefill(q):
         out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
@@ -303,15 +303,48 @@ def _prefill_chunks(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Each chunk over its gathered blocks (its own K/V are stored already), under its mask."""
+    """Each chunk over its gathered blocks (its own K/V are stored already), under its mask;
+    on CPU a chunk with cached context is attended in two parts instead (``_attend_split``)."""
     outs = []
     for c in chunks:
         keys = _select(cache, c.kv_index, q.dtype)[:, : c.kv_len]
         qc = q[c.row_start : c.row_start + c.q_len].unsqueeze(0).transpose(1, 2)
-        causal = c.start_pos == 0
-        out = _attend(qc, keys, c.mask(q.dtype), scale, softcap, causal=causal)
+        if _split_applies(qc, c, softcap):
+            out = _attend_split(qc, keys, c.start_pos, scale)
+        else:
+            causal = c.start_pos == 0
+            out = _attend(qc, keys, c.mask(q.dtype), scale, softcap, causal=causal)
         outs.append(out.transpose(1, 2).reshape(c.q_len, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _split_applies(q: torch.Tensor, c: PrefillChunk, softcap: float | None) -> bool:
+    """A full-attention chunk with cached context, no softcap, on CPU's flash kernel."""
+    return (
+        c.start_pos > 0
+        and c.window is None
+        and softcap is None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def _attend_split(q: torch.Tensor, keys: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """A chunk at positions ``[start, start + Lq)`` over ``keys`` ``[1, start + Lq, 2, kv_heads,
+    D]`` as two flash calls merged by their log-sum-exp: every query over the cached keys
+    ``[0, start)`` unmasked, and over its own keys under the square causal mask. Under one
+    bottom-right mask tensor the kernel scores the whole ``Lq x (start + Lq)`` rectangle and
+    adds the mask; here the causal part skips the blocks above the diagonal and no mask is
+    built. Returns ``[1, Hq, Lq, D]`` like ``_attend``."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    k = keys[:, :, 0].transpose(1, 2)
+    v = keys[:, :, 1].transpose(1, 2)
+    old, lse_old = flash(q, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
+    own, lse_own = flash(q, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)
+    w_old = torch.sigmoid_(lse_old.sub_(lse_own)).unsqueeze(-1)
+    if q.dtype == torch.float32:
+        return own.lerp_(old, w_old)
+    return own.float().lerp_(old.float(), w_old).to(q.dtype)
 
 
 def _prefill(
