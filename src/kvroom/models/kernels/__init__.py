@@ -38,8 +38,9 @@ class CpuKernels:
     native: bool
     """The compiled kernels (``cpu_kernels.cpp``) are loaded."""
     sdpa_context_prefill: bool = False
-    """Chunks with cached context attend through torch SDPA over gathered blocks, not the
-    native kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
+    """Chunks with cached context attend through torch's flash SDPA over gathered blocks (the
+    cached keys unmasked, the chunk's own keys causal, merged by log-sum-exp), not the native
+    kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
 
     def describe(self) -> str:
         bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
