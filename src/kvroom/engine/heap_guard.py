@@ -5,8 +5,8 @@ the step transients measured from a trimmed heap. glibc keeps freed heap chunks 
 returns none from the middle of the heap on its own, so a long run of varied step shapes
 leaves more and more free pages resident: on a tiny Llama (1,024-token context, 32 sequences,
 preemption) the resident set between steps crept 4 MB in 3,500 steps, and the run peaked
-0.7% over the plan. A heap that has settled is harmless (its steps reuse the free chunks and
-grow it by nothing); a heap that keeps growing is not.
+0.7% over the plan. A heap that has settled with a step's room to spare is harmless (its
+steps reuse the free chunks and grow it by nothing); a heap that keeps growing is not.
 
 So around each step the guard reads the resident set and its peak (``/proc/self/status``,
 tens of microseconds) and trims the heap (``malloc_trim``) when the next step could take the
