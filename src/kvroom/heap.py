@@ -58,6 +58,8 @@ LM head (five kernels) stay cached through a run of decode steps; an entry measu
 300 KB, so 1024 (the default) could hold 300 MB, and 64 still grew 17 MB over 96 steps."""
 KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
+PROC_STATUS = "/proc/self/status"
+
 _lock = threading.Lock()
 _configured = False
 
@@ -127,3 +129,21 @@ def trim() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(ctypes.c_size_t(0))
+
+
+def status_bytes(*keys: str) -> dict[str, int]:
+    """The ``kB`` fields ``keys`` of ``/proc/self/status`` (``VmRSS``, ``VmHWM``,
+    ``RssFile``...) in bytes, read at once; a field the kernel does not show is left out, and
+    where the file cannot be read the dict is empty."""
+    wanted = tuple(f"{k}:".encode() for k in keys)
+    try:
+        with open(PROC_STATUS, "rb") as f:
+            status = f.read()
+    except OSError:
+        return {}
+    found = {}
+    for line in status.splitlines():
+        if line.startswith(wanted):
+            key, value = line.split()[:2]
+            found[key[:-1].decode()] = int(value) * 1024
+    return found

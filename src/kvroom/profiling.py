@@ -27,13 +27,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvroom import heap
 from kvroom.artifact.layout import ArtifactInfo
 from kvroom.engine.output import ScheduledSeq, SchedulerOutput
 from kvroom.engine.sampling import SamplingParams
 from kvroom.errors import KvroomError
 from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 
-PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 MEASURED_ROUNDS = 8
 """Measured rounds over the peak shapes (after one warm-up round). Each measured step starts
@@ -195,14 +195,14 @@ class CpuProbe:
     """Resident set and its peak, in bytes."""
 
     def current(self) -> int:
-        return _status_bytes("VmRSS:")
+        return _status_bytes("VmRSS")
 
     def peak(self) -> int:
-        return _status_bytes("VmHWM:")
+        return _status_bytes("VmHWM")
 
     def file_backed(self) -> int:
         """The resident pages of mapped files (``RssFile``)."""
-        return _status_bytes("RssFile:")
+        return _status_bytes("RssFile")
 
     def reset_peak(self) -> None:
         # Where the kernel refuses, VmHWM keeps the peak since start: an over-count, never under.
@@ -234,7 +234,7 @@ class CudaProbe:
 
 
 def _status_bytes(key: str) -> int:
-    for line in PROC_STATUS.read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise ProfilingError(f"no {key} in /proc/self/status: resident memory is unknown here")
+    value = heap.status_bytes(key).get(key)
+    if value is None:
+        raise ProfilingError(f"no {key} in /proc/self/status: resident memory is unknown here")
+    return value

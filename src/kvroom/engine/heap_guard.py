@@ -26,12 +26,11 @@ tries again: trimming then only costs page faults.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvroom import heap
 
-STATUS = "/proc/self/status"
 WINDOW_STEPS = 16
 COOLDOWN_STEPS = 64
 
@@ -45,19 +44,10 @@ class Resident(NamedTuple):
 
 def resident() -> Resident | None:
     """This process's resident set and its peak, or None where unreadable."""
-    try:
-        with open(STATUS, "rb") as f:
-            fields = dict(_kib_fields(f.read()))
-        return Resident(fields[b"VmRSS:"], fields[b"VmHWM:"])
-    except (OSError, KeyError, ValueError):
+    fields = heap.status_bytes("VmRSS", "VmHWM")
+    if len(fields) < 2:
         return None
-
-
-def _kib_fields(status: bytes) -> Iterator[tuple[bytes, int]]:
-    for line in status.splitlines():
-        if line.startswith((b"VmRSS:", b"VmHWM:")):
-            key, value = line.split()[:2]
-            yield key, int(value) * 1024
+    return Resident(fields["VmRSS"], fields["VmHWM"])
 
 
 class HeapGuard:
