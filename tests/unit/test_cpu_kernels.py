@@ -188,3 +188,44 @@ def test_silu_mul_matches_torch(dtype, rows, inter) -> None:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
     else:  # the same roundings as torch: at most one bf16 step apart
         torch.testing.assert_close(out.float(), ref.float(), atol=1e-30, rtol=8e-3)
+
+
+needs_panels = pytest.mark.skipif(not cpu_kernels().panel_gemm, reason="no AVX-512 panel GEMM")
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 32, 35, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_matches_matmul(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=gen)
+    x = torch.randn(rows, 300, generator=gen)[:, 50:250]  # strided rows, as views of a step
+    b = torch.randn(96, generator=gen) if bias else None
+    got = ops.panel_gemm(x, ops.pack_panels(w), b)
+    want = x.double() @ w.double() + (0 if b is None else b.double())
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@needs_panels
+def test_panels_hold_each_column_block_as_one_stream() -> None:
+    w = torch.arange(64 * 3, dtype=torch.float32).view(3, 64)
+    panels = ops.pack_panels(w)
+    assert panels.shape == (2, 3, 32)
+    assert torch.equal(panels[1], w[:, 32:])
+
+
+def test_pack_panels_declines_what_the_kernel_was_not_built_for() -> None:
+    assert ops.pack_panels(torch.randn(8, 40)) is None  # width not a multiple of 32
+    assert ops.pack_panels(torch.randn(8, 64, dtype=torch.bfloat16)) is None
+
+
+@needs_panels
+def test_fp32_projections_are_prepared_as_panels_and_multiply_the_same() -> None:
+    from kvroom.models.layers import is_packed, matmul, prepare_weight
+
+    w = torch.randn(48, 64)
+    prepared = prepare_weight(w)
+    assert prepared.dim() == 3 and is_packed(prepared)
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(matmul(x, prepared), x @ w, atol=1e-5, rtol=1e-5)

@@ -35,6 +35,7 @@ from kvroom.models.attention import AttentionMetadata, KindBatch, paged_attentio
 from kvroom.models.layers import (
     add_rms_norm,
     apply_rope_,
+    is_packed,
     matmul,
     mlp,
     prepare_weight,
@@ -233,7 +234,7 @@ class DecoderModel(nn.Module):
         """Build what is derived from loaded weights or the config, on the weights' device."""
         self.device = self.lm_head.device
         head = prepare_weight(self.lm_head)
-        if self.embed is None and head.is_mkldnn:
+        if self.embed is None and is_packed(head):
             self.embed = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
         _install(self, "lm_head", head)
         self.eps = torch.tensor(self.eps_value, dtype=torch.float32, device=self.device)
@@ -291,7 +292,7 @@ def _head_matmul(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     a 49k-column operand is poor on CPU; 1024-column slices that stay in cache measured ~20%
     faster at 32 rows. GPUs and packed heads get the single call.
     """
-    if x.shape[0] == 1 or x.device.type != "cpu" or head.is_mkldnn:
+    if x.shape[0] == 1 or x.device.type != "cpu" or is_packed(head):
         return matmul(x, head)
     out = x.new_empty(x.shape[0], head.shape[1])
     for start in range(0, head.shape[1], _HEAD_CHUNK):
@@ -304,7 +305,7 @@ def _install(module: nn.Module, name: str, weight: torch.Tensor) -> None:
     """Replace parameter ``name`` by ``weight``: a dense one stays a Parameter; a packed one
     becomes a plain attribute (it is not a Parameter any more) and the dense copy is freed."""
     delattr(module, name)
-    if weight.is_mkldnn:
+    if is_packed(weight):
         setattr(module, name, weight)
     else:
         setattr(module, name, nn.Parameter(weight, requires_grad=False))

@@ -33,6 +33,7 @@ from kvroom.models.gemma4_moe import Gemma4MoE
 from kvroom.models.kv_layouts import k_eq_v_attention, store_ring_write, without_ring_write
 from kvroom.models.layers import (
     apply_rope_,
+    is_packed,
     matmul,
     mlp,
     prepare_weight,
@@ -227,7 +228,7 @@ class Gemma4Model(DecoderModel):
 
         self.device = self.lm_head.device
         head = prepare_weight(self.lm_head)
-        if head.is_mkldnn:
+        if is_packed(head):
             self.embed = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
         _install(self, "lm_head", head)
         if self.ple_model_proj is not None:

@@ -71,23 +71,34 @@ def add_rms_norm(
 def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     """A ``[in, out]`` projection in the form ``matmul`` reads fastest.
 
-    On CPU where oneDNN runs: oneDNN's prepacked layout. Decode-time GEMMs read every weight
-    from DRAM once per step, and the blocked layout, reordered once at load, streams them far
-    better than MKL's plain GEMM over a row-major matrix: measured on a 2-core CPU for
-    SmolLM2's 30 layers, 39 ms instead of 87 ms per step at 32 rows, 16 ms instead of 23 ms at
-    one row, and the 49k-column LM head 9 ms instead of 29 ms at 32 rows. bf16 weights are
-    packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to fp32 and packed
-    (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the output to bf16).
+    On CPU, fp32 weights whose width is a multiple of 32 become the native panel GEMM's column
+    panels (``kernels.ops.pack_panels``, a 3-D tensor) where this CPU runs it (AVX-512): at
+    decode sizes it streams the weights faster than oneDNN (SmolLM2's 30 layers and head,
+    weights cold: 0.73x oneDNN's time at one row, 0.84x at 32, 0.90x at 64;
+    ``benchmarks/panel_gemm.py``). Other weights on CPU where oneDNN runs: oneDNN's prepacked
+    layout, which streams far better than MKL's plain GEMM over a row-major matrix (measured
+    on an AMD 2-core CPU for SmolLM2's 30 layers: 39 ms instead of 87 ms per step at 32 rows).
+    bf16 weights are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to
+    fp32 and packed (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the
+    output to bf16).
 
     Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
     if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return w.contiguous()
+    if (panels := native.pack_panels(w)) is not None:
+        return panels
     if w.dtype == torch.bfloat16 and widens_bf16_weights():
         w = w.float()
     elif w.dtype not in (torch.float32, torch.bfloat16):
         return w.contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+
+
+def is_packed(w: torch.Tensor) -> bool:
+    """``w`` is a projection in a CPU kernel's own layout (oneDNN's, or the native GEMM's
+    panels), not a plain ``[in, out]`` matrix: it has no transpose to serve as an embedding."""
+    return w.is_mkldnn or w.dim() == 3
 
 
 def widens_bf16_weights() -> bool:
@@ -111,6 +122,8 @@ def packed_bf16_bytes(model: torch.nn.Module) -> int:
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` for a ``[in, out]`` weight from ``prepare_weight``."""
+    if w.dim() == 3:
+        return native.panel_gemm(x, w, bias)
     if w.is_mkldnn:
         if w.dtype != x.dtype:  # widened bf16 weight: fp32 GEMM, output rounded to x's dtype
             b = None if bias is None else bias.to(w.dtype)

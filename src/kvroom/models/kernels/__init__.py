@@ -10,6 +10,8 @@
 * the native kernels (``build.library``): paged decode and causal prefill attention reading K/V
   in place from the blocks, the fused residual add + RMSNorm and SiLU-GLU; None means the
   torch paths.
+* fp32 projections: the native panel GEMM (``ops.panel_gemm``) on AVX-512 CPUs, unless
+  ``KVROOM_PANEL_GEMM=0``; else oneDNN's prepacked GEMM (``layers.prepare_weight``).
 * who attends prefill chunks with cached context: on AVX-512 CPUs torch's flash SDPA over the
   gathered blocks under a mask (its tiles run as oneDNN GEMMs: 2.7x the native kernel in bf16
   with AMX, 1.2x in fp32, ``benchmarks/prefill_attention.py``), else the native kernel, which
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -41,6 +44,8 @@ class CpuKernels:
     """Chunks with cached context attend through torch's flash SDPA over gathered blocks (the
     cached keys unmasked, the chunk's own keys causal, merged by log-sum-exp), not the native
     kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
+    panel_gemm: bool = False
+    """fp32 projections run as the native AVX-512 panel GEMM (``ops.panel_gemm``), not oneDNN."""
 
     def describe(self) -> str:
         bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
@@ -50,7 +55,8 @@ class CpuKernels:
             if self.native
             else "torch SDPA (no native kernels)"
         )
-        return f"CPU kernels: {self.isa}; bf16 projections: {bf16}; {attn}"
+        fp32 = "; fp32 projections: native panel GEMM" if self.panel_gemm else ""
+        return f"CPU kernels: {self.isa}; bf16 projections: {bf16}{fp32}; {attn}"
 
 
 def _isa(flags: frozenset[str]) -> str:
@@ -74,6 +80,9 @@ def cpu_kernels() -> CpuKernels:
         bf16_packed=packed,
         native=library() is not None,
         sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
+        panel_gemm=library() is not None
+        and "avx512f" in flags
+        and os.environ.get("KVROOM_PANEL_GEMM", "1") != "0",
     )
     log.info(chosen.describe())
     return chosen

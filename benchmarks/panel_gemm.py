@@ -1,0 +1,72 @@
+"""The native panel GEMM against oneDNN's prepacked GEMM on one model's projections.
+
+.venv/bin/python benchmarks/panel_gemm.py [--rows 1,8,16,32,64,128,512] [--layers 30]
+
+SmolLM2-135M's shapes by default (per layer: qkv 576x960, o 576x576, gate/up 576x3072, down
+1536x576; then the 576x49152 LM head), each layer's weights distinct, so a step reads them
+cold as decode does. Per row count, the two take turns for 5 rounds after a warm-up; the
+median step time of each and their ratio are printed. fp32; needs the native kernels and an
+AVX-512 CPU (``kvroom.models.kernels``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvroom.models import layers
+from kvroom.models.kernels import cpu_kernels, ops
+
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+HEAD = (576, 49152)
+
+
+def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, rows: int) -> float:
+    """One step: every layer's projections, then the head, on fresh ``rows``-row inputs."""
+    inputs = {k: torch.randn(rows, k) for k in {k for lay in dims for k in lay}}
+    start = time.perf_counter()
+    for layer, layer_dims in zip(weights, dims, strict=True):
+        for w, k in zip(layer, layer_dims, strict=True):
+            gemm(inputs[k], w)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,16,32,64,128,512")
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    if not cpu_kernels().panel_gemm:
+        raise SystemExit("the native panel GEMM does not run here (no AVX-512 or no compiler)")
+    torch.manual_seed(0)
+    dense = [[torch.randn(k, n) * 0.02 for k, n in SHAPES.values()] for _ in range(args.layers)]
+    dense[-1].append(torch.randn(*HEAD) * 0.02)  # the head, after the last layer
+    onednn = [
+        [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in lay]
+        for lay in dense
+    ]
+    panels = [[ops.pack_panels(w) for w in lay] for lay in dense]
+    dims = [[w.shape[0] for w in lay] for lay in dense]
+    flops = 2 * sum(k * n for k, n in SHAPES.values()) * args.layers + 2 * HEAD[0] * HEAD[1]
+    print(
+        f"{'rows':>5} {'oneDNN ms':>10} {'panel ms':>9} {'panel/oneDNN':>13} {'panel GFLOP/s':>14}"
+    )
+    for rows in (int(r) for r in args.rows.split(",")):
+        runs = {"onednn": (onednn, layers.matmul), "panel": (panels, ops.panel_gemm)}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for r in range(6):
+            for name, (weights, gemm) in runs.items() if r % 2 else reversed(runs.items()):
+                t = step_time(weights, dims, gemm, rows)
+                if r:
+                    times[name].append(t)
+        a, b = statistics.median(times["onednn"]), statistics.median(times["panel"])
+        print(
+            f"{rows:5d} {a * 1e3:10.1f} {b * 1e3:9.1f} {b / a:13.2f} {rows * flops / b / 1e9:14.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
