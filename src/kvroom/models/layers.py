@@ -74,7 +74,7 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     On CPU, fp32 weights whose width is a multiple of 32 become the native panel GEMM's column
     panels (``kernels.ops.pack_panels``, a 3-D tensor) where this CPU runs it (AVX-512): at
     decode sizes it streams the weights faster than oneDNN (SmolLM2's 30 layers and head,
-    weights cold: 0.73x oneDNN's time at one row, 0.84x at 32, 0.90x at 64;
+    weights cold: 0.72x oneDNN's time at one row, 0.87x at 32, 0.89x at 128;
     ``benchmarks/panel_gemm.py``). Other weights on CPU where oneDNN runs: oneDNN's prepacked
     layout, which streams far better than MKL's plain GEMM over a row-major matrix (measured
     on an AMD 2-core CPU for SmolLM2's 30 layers: 39 ms instead of 87 ms per step at 32 rows).

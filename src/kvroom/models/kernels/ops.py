@@ -151,10 +151,13 @@ PANEL = 32
 """Output columns per panel of a ``pack_panels`` weight (two AVX-512 vectors of fp32)."""
 
 
-PANEL_GEMM_MAX_ROWS = 64
-"""Rows up to which ``panel_gemm`` runs the native kernel. Above it the GEMM is compute-bound
-and MKL's batched GEMM over the panels (one ``[M, in] x [in, 32]`` product per panel, then one
-copy into ``[M, out]``) ran 1.1-1.4x the kernel's speed at 512 rows."""
+PANEL_GEMM_MAX_ROWS = 128
+"""Rows up to which ``panel_gemm`` runs the native kernel (SmolLM2's projections, weights cold,
+``benchmarks/panel_gemm.py``: 0.72x oneDNN's time at 1 row, 0.87x at 32, 1.00x at 96, 0.89x at
+128). Above it the GEMM is compute-bound and MKL's batched GEMM over the panels (one
+``[M, in] x [in, 32]`` product per panel, then one copy into ``[M, out]``) runs it: 1.17x
+oneDNN's time at 512 rows, where the native kernel took 1.24x end to end (8 prompts of 1,500
+tokens)."""
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
