@@ -188,8 +188,7 @@ def panel_gemm(
     p, k, _ = panels.shape
     m = x.shape[0]
     if m > PANEL_GEMM_MAX_ROWS:
-        y = torch.matmul(x, panels).permute(1, 0, 2).reshape(m, p * PANEL)
-        return y if bias is None else y.add_(bias)
+        return _batched_panels(x, panels, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(m, p * PANEL, dtype=torch.float32)
@@ -201,3 +200,22 @@ def panel_gemm(
     )  # fmt: skip
     assert rc == 0, f"kvroom_panel_gemm returned {rc}"
     return y
+
+
+BATCHED_PANELS = 16
+"""Panels per batched GEMM above ``PANEL_GEMM_MAX_ROWS``: its ``[16, M, 32]`` product is copied
+into the output's columns before the next, so the step holds a 512-column slice of the product
+at a time rather than a second copy of the whole output."""
+
+
+def _batched_panels(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    p = panels.shape[0]
+    m = x.shape[0]
+    y = torch.empty(m, p * PANEL, dtype=torch.float32)
+    for start in range(0, p, BATCHED_PANELS):
+        part = torch.matmul(x, panels[start : start + BATCHED_PANELS])
+        cols = slice(start * PANEL, start * PANEL + part.shape[0] * PANEL)
+        y[:, cols].view(m, part.shape[0], PANEL).copy_(part.permute(1, 0, 2))
+    return y if bias is None else y.add_(bias)
