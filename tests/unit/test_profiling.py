@@ -10,6 +10,7 @@ from kvroom.profiling import (
     CHURN_START,
     FILL_TOKEN_COUNTS,
     _chunk_sizes,
+    _fresh_sizes,
     _ladder,
     churn_steps,
     fill_steps,
@@ -33,15 +34,25 @@ def test_chunk_sizes_seat_as_many_sequences_as_the_budget_does() -> None:
 def test_peak_steps_are_at_full_context_and_within_the_budget() -> None:
     steps = peak_steps(_info(), vocab_size=100)
     assert tuple(steps) == STEP_SHAPES
-    for step in steps.values():
+    for name, step in steps.items():
         assert step.num_tokens <= 16
         for s in step.seqs:
-            assert s.start_pos + len(s.token_ids) == 32  # ends at max_seq_len
+            if name == "prefill_fresh":  # new prompts
+                assert s.start_pos == 0
+            else:
+                assert s.start_pos + len(s.token_ids) == 32  # ends at max_seq_len
             assert s.block_table == tuple(reversed(range(8)))  # never the contiguous path
             assert s.sampling.top_p < 1.0 and s.needs_sample
     assert [len(s.token_ids) for s in steps["decode"].seqs] == [1, 1, 1, 1]
     assert [len(s.token_ids) for s in steps["prefill"].seqs] == [16]
-    assert [len(s.token_ids) for s in steps["mixed"].seqs] == [1, 1, 1, 13]
+    assert [len(s.token_ids) for s in steps["mixed"].seqs] == [1, 1, 12, 2]
+    assert [len(s.token_ids) for s in steps["prefill_fresh"].seqs] == [16]
+
+
+def test_fresh_steps_fill_the_budget_with_prompts_of_one_length() -> None:
+    assert _fresh_sizes(32, 256, 2048) == [256] * 8
+    assert _fresh_sizes(3, 256, 2048) == [256] * 3  # as many prompts as the batch seats
+    assert _fresh_sizes(8, 512, 300) == [300]  # one prompt of the whole budget
 
 
 def test_fill_steps_have_every_size_once() -> None:

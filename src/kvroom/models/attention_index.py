@@ -90,6 +90,13 @@ class _Builder:
         rows = [i * self.max_q + j for i, c in enumerate(self.pre) for j in range(c.q_len)]
         return torch.tensor(rows, dtype=torch.long)
 
+    def _padding_bounded(self) -> bool:
+        """Fresh chunks are attended in one SDPA call, padded to ``[B, max_q_len]``, only when
+        they are equally long: then the padded copies hold the step's own rows and no more,
+        as the profiling pass's ``prefill_fresh`` step does. Ragged ones take the per-chunk
+        path: padded, a long prompt among 24 two-token ones would hold 32 x 256 rows for 280."""
+        return all(c.q_len == self.max_q for c in self.pre)
+
     def full(self, bs: int) -> KindBatch:
         """Slot of position p: ``block_table[p // bs] * bs + p % bs``."""
         slots = [
@@ -109,7 +116,7 @@ class _Builder:
                 "starts": torch.tensor([c.start_pos for c in self.pre], dtype=torch.long),
                 "q_lens": torch.tensor([c.q_len for c in self.pre], dtype=torch.long),
             }
-            if all(c.start_pos == 0 for c in self.pre):  # SDPA's causal mask
+            if all(c.start_pos == 0 for c in self.pre) and self._padding_bounded():
                 prefill = self._prefill_group(kv_index, fresh=True, **chunks)
             else:
                 prefill = self._prefill_group(kv_index, chunks=self._full_chunks(bs), **chunks)

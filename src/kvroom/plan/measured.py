@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-STEP_SHAPES = ("decode", "prefill", "prefill_many", "mixed")
+STEP_SHAPES = ("decode", "prefill", "prefill_many", "mixed", "prefill_fresh")
 """The peak-shape steps the profiling pass runs (``profiling.peak_steps`` builds them)."""
 
 
