@@ -90,7 +90,7 @@ class _Builder:
         rows = [i * self.max_q + j for i, c in enumerate(self.pre) for j in range(c.q_len)]
         return torch.tensor(rows, dtype=torch.long)
 
-    def _padding_bounded(self) -> bool:
+    def _equal_chunks(self) -> bool:
         """Fresh chunks are attended in one SDPA call, padded to ``[B, max_q_len]``, only when
         they are equally long: then the padded copies hold the step's own rows and no more,
         as the profiling pass's ``prefill_fresh`` step does. Ragged ones take the per-chunk
@@ -116,7 +116,7 @@ class _Builder:
                 "starts": torch.tensor([c.start_pos for c in self.pre], dtype=torch.long),
                 "q_lens": torch.tensor([c.q_len for c in self.pre], dtype=torch.long),
             }
-            if all(c.start_pos == 0 for c in self.pre) and self._padding_bounded():
+            if all(c.start_pos == 0 for c in self.pre) and self._equal_chunks():
                 prefill = self._prefill_group(kv_index, fresh=True, **chunks)
             else:
                 prefill = self._prefill_group(kv_index, chunks=self._full_chunks(bs), **chunks)

@@ -424,13 +424,12 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) 
   }
 }
 
-
 // Skinny fp32 GEMM, y[M, N] = x[M, K] @ W (+ bias), for projections whose weights were packed
 // once at load into column panels: panel p holds W[:, 32p : 32p + 32] as K rows of 32 floats,
-// so one panel is one sequential stream. Each thread takes whole panels; inside a panel, rows
-// go 8 at a time into 16 AVX-512 accumulators (8 rows x 2 vectors), so a panel is read from
-// memory once per step and from cache for every further 8 rows. At decode sizes (1-64 rows)
-// the weights' bytes bound the time and the panels stream at memory speed.
+// so one panel is one sequential stream. Each thread takes a contiguous run of panels; inside a
+// panel, rows go up to 12 at a time into 24 AVX-512 accumulators (12 rows x 2 vectors), so a
+// panel is read from memory once per step and from cache for every further pass. At decode
+// sizes the weights' bytes bound the time and the panels stream at memory speed.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
@@ -442,8 +441,8 @@ constexpr int MR_MAX = 12;  // rows per pass: 24 accumulators of the 32 AVX-512 
 // y[0:MR, 0:32] = x[0:MR, :] @ w (+ bias); ``next`` (the thread's next panel, or null) is
 // fetched into L2 meanwhile, so its first pass finds it there rather than in DRAM.
 template <int MR>
-inline void panel_rows(const float* x, int64_t x_stride, const float* w, int64_t ws,
-                       const float* bias, int K, float* y, int64_t y_stride, const float* next) {
+inline void panel_rows(const float* x, int64_t x_stride, const float* w, const float* bias,
+                       int K, float* y, int64_t y_stride, const float* next) {
   __m512 lo[MR], hi[MR];
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
@@ -452,13 +451,13 @@ inline void panel_rows(const float* x, int64_t x_stride, const float* w, int64_t
     hi[m] = b1;
   }
   for (int k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * ws), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * PANEL), _MM_HINT_T0);
     if (next) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * ws), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * ws + 16), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * PANEL), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * PANEL + 16), _MM_HINT_T1);
     }
-    const __m512 w0 = _mm512_load_ps(w + k * ws);
-    const __m512 w1 = _mm512_load_ps(w + k * ws + 16);
+    const __m512 w0 = _mm512_load_ps(w + k * PANEL);
+    const __m512 w1 = _mm512_load_ps(w + k * PANEL + 16);
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * x_stride + k]);
       lo[m] = _mm512_fmadd_ps(xv, w0, lo[m]);
@@ -472,24 +471,24 @@ inline void panel_rows(const float* x, int64_t x_stride, const float* w, int64_t
 }
 
 template <int MR>
-inline void rows_of(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t ws,
+inline void rows_of(int64_t rows, const float* x, int64_t x_stride, const float* w,
                     const float* bias, int K, float* y, int64_t y_stride, const float* next) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      panel_rows<MR>(x, x_stride, w, ws, bias, K, y, y_stride, next);
+      panel_rows<MR>(x, x_stride, w, bias, K, y, y_stride, next);
     else
-      rows_of<MR - 1>(rows, x, x_stride, w, ws, bias, K, y, y_stride, next);
+      rows_of<MR - 1>(rows, x, x_stride, w, bias, K, y, y_stride, next);
   }
 }
 
-inline void panel(const float* x, int64_t x_stride, const float* w, int64_t ws,
+inline void panel(const float* x, int64_t x_stride, const float* w,
                   const float* bias, int64_t M, int K, float* y, int64_t y_stride,
                   const float* next) {
   const int64_t passes = (M + MR_MAX - 1) / MR_MAX;  // equal passes: 32 rows = 11 + 11 + 10
   int64_t m = 0;
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t rows = (M - m) / (passes - p);
-    rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, ws, bias, K, y + m * y_stride, y_stride,
+    rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, bias, K, y + m * y_stride, y_stride,
                     p == 0 ? next : nullptr);
     m += rows;
   }
@@ -504,7 +503,7 @@ void panel_gemm(const float* x, int64_t x_stride, const float* w, const float* b
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t begin = panels * t / threads, end = panels * (t + 1) / threads;
     for (int64_t p = begin; p < end; ++p)
-      panel(x, x_stride, w + p * panel_size, PANEL, bias ? bias + p * PANEL : nullptr, M, K,
+      panel(x, x_stride, w + p * panel_size, bias ? bias + p * PANEL : nullptr, M, K,
             y + p * PANEL, N, p + 1 < end ? w + (p + 1) * panel_size : nullptr);
   }
 }

@@ -155,8 +155,8 @@ PANEL_GEMM_MAX_ROWS = 128
 """Rows up to which ``panel_gemm`` runs the native kernel (SmolLM2's projections, weights cold,
 ``benchmarks/panel_gemm.py``: 0.72x oneDNN's time at 1 row, 0.87x at 32, 1.00x at 96, 0.89x at
 128). Above it the GEMM is compute-bound and MKL's batched GEMM over the panels (one
-``[M, in] x [in, 32]`` product per panel, then one copy into ``[M, out]``) runs it: 1.17x
-oneDNN's time at 512 rows, where the native kernel took 1.24x end to end (8 prompts of 1,500
+``[M, in] x [in, 32]`` product per panel, copied into ``[M, out]``) runs it: 1.18x oneDNN's
+time at 512 rows, where the native kernel took 1.24x end to end (8 prompts of 1,500
 tokens)."""
 
 
