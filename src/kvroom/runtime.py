@@ -50,7 +50,7 @@ def _heap_guard(plan: MemoryPlan, pool: KVCachePool, device: str) -> HeapGuard |
         now = plan.with_num_blocks(pool.num_blocks, plan.num_blocks_source)
         return now.serve_total_bytes if serving else now.total_bytes
 
-    return HeapGuard(total_bytes, plan.measured.step_bytes)
+    return HeapGuard(total_bytes, plan.measured.step_bytes, settled=lambda: pool.populated)
 
 
 def read_spec(folder: Path) -> ModelSpec:

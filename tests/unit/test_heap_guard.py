@@ -124,6 +124,24 @@ def test_cooldown_when_a_trim_cannot_bring_the_process_under() -> None:
     assert process.trims == 2
 
 
+def test_steps_while_the_pool_is_faulted_in_set_no_headroom() -> None:
+    process = _Process(150)
+    populated = [False]
+    guard = HeapGuard(
+        lambda serving: 200, read=process.read, trim=process.trim, settled=lambda: populated[0]
+    )
+    _step(guard, process, 0)
+    _step(guard, process, 40)  # the pool's pages arriving: 190, no headroom from it
+    _step(guard, process, 0)
+    assert process.trims == 0
+    populated[0] = True
+    _step(guard, process, 0)
+    _step(guard, process, 5)  # a settled step's rise counts: 195 + 5 <= 200
+    assert process.trims == 0
+    _step(guard, process, 6)  # 201 > 200: trimmed
+    assert process.trims == 1
+
+
 def test_serving_uses_the_servers_total() -> None:
     process = _Process(250)
     guard = _guard(process)

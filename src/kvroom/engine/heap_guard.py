@@ -21,6 +21,11 @@ far it took the resident set, or its peak where the step set a new one: transien
 before the step ended count too. When a trim leaves the process above the mark anyway (live
 memory beyond the plan, such as a long request queue), it waits ``cooldown_steps`` before it
 tries again: trimming then only costs page faults.
+
+Steps that ran while the KV pool was still being faulted in (``KVCachePool.start_populating``
+fills it on a background thread after the first step) set no headroom: their rise is the
+pool's pages arriving, which the plan counts in full already (270 MB within one step on
+SmolLM2, which put every later step over the mark and the guard into its cooldown).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class HeapGuard:
         cooldown_steps: int = COOLDOWN_STEPS,
         read: Callable[[], Resident | None] = resident,
         trim: Callable[[], None] = heap.trim,
+        settled: Callable[[], bool] = lambda: True,
     ) -> None:
         """
         Args:
@@ -72,27 +78,32 @@ class HeapGuard:
             cooldown_steps: steps to wait after a trim that left the process above the mark.
             read: the resident set and its peak now (None: unknown, nothing is done).
             trim: returns the heap's free pages to the kernel.
+            settled: whether the planned memory outside the heap is resident already (the
+                CPU pool populated); a step begun before then sets no headroom.
         """
         self.total_bytes = total_bytes
         self.step_bytes = step_bytes
         self.cooldown_steps = cooldown_steps
         self.read = read
         self.trim = trim
+        self.settled = settled
         self.serving = False
         self.num_trims = 0
         self._growth: deque[int] = deque(maxlen=window_steps)
         self._before: Resident | None = None
+        self._settled_before = False
         self._after_trim = True  # the heap was trimmed after loading
         self._cooldown = 0
 
     def before_step(self) -> None:
         self._before = self.read()
+        self._settled_before = self.settled()
 
     def after_step(self) -> None:
         after, before = self.read(), self._before
         if after is None or before is None:
             return
-        if not self._after_trim:
+        if not self._after_trim and self._settled_before:
             self._growth.append(_rise(before, after))
         self._after_trim = False
         if self._cooldown:

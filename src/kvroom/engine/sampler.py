@@ -138,10 +138,11 @@ class Sampler:
         return gen.manual_seed(seed)
 
 
-SAMPLE_ROWS = 8
+SAMPLE_ROWS = 4
 """Rows filtered and sampled together. Top-p sorts the whole vocabulary, and its buffers
 (values, int64 order, softmax, cumsum, masks) for a 32-row decode over SmolLM2's 49,152
-tokens were that step's largest transient, about 50 MB; 8 rows at a time hold a quarter."""
+tokens were that step's largest transient, about 50 MB; 4 rows at a time hold an eighth,
+sorting the same rows."""
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -112,7 +112,8 @@ class PrefillGroup:
     num_seqs: int
     max_q_len: int
     pad_index: torch.Tensor | None
-    """``[Tp]`` row of each packed token in the padded ``[B * max_q_len]`` layout; None if B=1."""
+    """``[Tp]`` row of each packed token in the padded ``[B * max_q_len]`` layout; None where
+    the packed rows are that layout already (one chunk, or equally long ones)."""
     kv_index: torch.Tensor | None
     """Full: ``[B, n]`` blocks to gather. Sliding: ``[B, L_old]`` flat ring entries of the old
     keys, None when no chunk has any."""
@@ -354,12 +355,12 @@ def _prefill(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Fresh chunks padded to ``[B, max_q_len]`` (a view when there is one), attended in one
-    call over their own keys, padded the same way, under SDPA's causal mask (the padding rows
-    come last in each chunk, so no real query sees them)."""
+    """Fresh chunks padded to ``[B, max_q_len]`` (a view when they are equally long), attended
+    in one call over their own keys, padded the same way, under SDPA's causal mask (the padding
+    rows come last in each chunk, so no real query sees them)."""
     tp, h, d = q.shape
     if g.pad_index is None:
-        q_pad = q.view(1, tp, h, d)
+        q_pad = q.view(g.num_seqs, g.max_q_len, h, d)
     else:
         q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
         q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)
@@ -403,7 +404,7 @@ def _as_stored(kv: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
 def _padded(rows: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
     """The chunks' packed rows ``[Tp, ...]`` laid out ``[B, max_q_len, ...]`` like the queries."""
     if g.pad_index is None:
-        return rows.unsqueeze(0)
+        return rows.view(g.num_seqs, g.max_q_len, *rows.shape[1:])
     padded = rows.new_zeros(g.num_seqs * g.max_q_len, *rows.shape[1:])
     padded.index_copy_(0, g.pad_index, rows)
     return padded.view(g.num_seqs, g.max_q_len, *rows.shape[1:])

@@ -85,7 +85,9 @@ class _Builder:
         self.pad_index = self._pad_index()
 
     def _pad_index(self) -> torch.Tensor | None:
-        if len(self.pre) <= 1:
+        """None where the packed rows are the padded layout already (one chunk, or equal
+        chunks): the attention then views them instead of copying."""
+        if all(c.q_len == self.max_q for c in self.pre):
             return None
         rows = [i * self.max_q + j for i, c in enumerate(self.pre) for j in range(c.q_len)]
         return torch.tensor(rows, dtype=torch.long)

@@ -140,7 +140,7 @@ def _attend_prefill(
     values = _gather(cache, g.kv_index, q.dtype)
     cis = key_cis(values.shape[1])
     if g.pad_index is None:
-        q_pad = q.view(1, tp, h, d)
+        q_pad = q.view(g.num_seqs, g.max_q_len, h, d)
     else:
         q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
         q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)

@@ -151,15 +151,6 @@ PANEL = 32
 """Output columns per panel of a ``pack_panels`` weight (two AVX-512 vectors of fp32)."""
 
 
-PANEL_GEMM_MAX_ROWS = 128
-"""Rows up to which ``panel_gemm`` runs the native kernel (SmolLM2's projections, weights cold,
-``benchmarks/panel_gemm.py``: 0.72x oneDNN's time at 1 row, 0.87x at 32, 1.00x at 96, 0.89x at
-128). Above it the GEMM is compute-bound and MKL's batched GEMM over the panels (one
-``[M, in] x [in, 32]`` product per panel, copied into ``[M, out]``) runs it: 1.18x oneDNN's
-time at 512 rows, where the native kernel took 1.24x end to end (8 prompts of 1,500
-tokens)."""
-
-
 def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
     """A ``[in, out]`` fp32 weight as ``[out / 32, in, 32]`` column panels for ``panel_gemm``;
     None where the native GEMM does not apply (not fp32 on CPU, ``out`` not a multiple of 32,
@@ -187,8 +178,6 @@ def panel_gemm(
         return panel_gemm(x.float(), panels, bias).to(x.dtype)
     p, k, _ = panels.shape
     m = x.shape[0]
-    if m > PANEL_GEMM_MAX_ROWS:
-        return _batched_panels(x, panels, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(m, p * PANEL, dtype=torch.float32)
@@ -200,22 +189,3 @@ def panel_gemm(
     )  # fmt: skip
     assert rc == 0, f"kvroom_panel_gemm returned {rc}"
     return y
-
-
-BATCHED_PANELS = 16
-"""Panels per batched GEMM above ``PANEL_GEMM_MAX_ROWS``: its ``[16, M, 32]`` product is copied
-into the output's columns before the next, so the step holds a 512-column slice of the product
-at a time rather than a second copy of the whole output."""
-
-
-def _batched_panels(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    p = panels.shape[0]
-    m = x.shape[0]
-    y = torch.empty(m, p * PANEL, dtype=torch.float32)
-    for start in range(0, p, BATCHED_PANELS):
-        part = torch.matmul(x, panels[start : start + BATCHED_PANELS])
-        cols = slice(start * PANEL, start * PANEL + part.shape[0] * PANEL)
-        y[:, cols].view(m, part.shape[0], PANEL).copy_(part.permute(1, 0, 2))
-    return y if bias is None else y.add_(bias)
