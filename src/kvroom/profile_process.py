@@ -17,8 +17,9 @@ from typing import Any
 from kvroom import heap
 from kvroom.artifact.layout import read_info
 from kvroom.engine.output import SchedulerOutput
-from kvroom.plan.measured import MeasuredTerms
+from kvroom.plan.measured import IN_TURN, MeasuredTerms
 from kvroom.profiling import (
+    IN_TURN_ROUNDS,
     MEASURED_ROUNDS,
     CpuProbe,
     CudaProbe,
@@ -131,7 +132,8 @@ def _run_steps(
 ) -> dict[str, int]:
     """Warm up on every shape once and on the cache-filling steps, then the largest peak of
     each shape over ``MEASURED_ROUNDS`` rounds in rotating order (``round_order``), counted
-    from the resident state after warm-up (so growth between rounds counts).
+    from the resident state after warm-up (so growth between rounds counts); then ``IN_TURN``:
+    the peak of ``IN_TURN_ROUNDS`` rounds over every shape with no trim between the steps.
 
     The heap is trimmed (``heap.trim``) after the warm-up and before each measured step, so a
     step's transients count in full as fresh pages: otherwise they may be served from free
@@ -150,6 +152,13 @@ def _run_steps(
         for name in round_order(list(steps), r):
             peak = stages.step_peak(lambda s=steps[name]: execute(s), baseline)
             peaks[name] = max(peaks[name], peak)
+
+    def in_turn() -> None:
+        for r in range(IN_TURN_ROUNDS):
+            for name in round_order(list(steps), r):
+                execute(steps[name])
+
+    peaks[IN_TURN] = stages.step_peak(in_turn, baseline)
     return peaks
 
 

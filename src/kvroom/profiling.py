@@ -36,6 +36,13 @@ from kvroom.errors import KvroomError
 from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+IN_TURN_ROUNDS = 3
+"""Rounds over every shape, one after another with no trim between steps, for the
+``IN_TURN`` term. One SmolLM2 fp32 artifact (2,048-token budget): the shapes' largest single
+step rose 40-46 MiB over three processes, the shapes in turn 44-48 MiB; the three rounds
+reach what a deployment's steps leave resident, where one step's transients reuse the pages
+an earlier step freed at other addresses or not."""
+
 MEASURED_ROUNDS = 8
 """Measured rounds over the peak shapes (after one warm-up round). Each measured step starts
 from a trimmed heap, and where glibc places its transients varies from round to round: the

@@ -21,6 +21,7 @@ from kvroom.compile import compile as kvroom_compile
 from kvroom.compile import plan_model
 from kvroom.config import DecoderOnlyConfig
 from kvroom.model_spec import SUPPORTED_ARCHITECTURES
+from kvroom.plan.measured import IN_TURN, STEP_SHAPES
 from tiny_models import TINY_COMPILE_CONFIG
 
 TINY_FLAGS = [
@@ -123,6 +124,9 @@ def test_compile_writes_all_files(capsys, tiny_llama_dir, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folder left beside it
     info = read_info(out_dir)
     assert info.num_blocks == ESTIMATE
+    measured = info.plan.measured
+    assert measured is not None
+    assert tuple(measured.step_peak_bytes) == (*STEP_SHAPES, IN_TURN)
     assert info.model == {
         "architecture": "LlamaForCausalLM",
         "num_parameters": plan_model(tiny_llama_dir, TINY_COMPILE_CONFIG).source.num_parameters,

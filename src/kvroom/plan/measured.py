@@ -23,6 +23,10 @@ from typing import Any
 STEP_SHAPES = ("decode", "prefill", "prefill_many", "mixed", "prefill_fresh")
 """The peak-shape steps the profiling pass runs (``profiling.peak_steps`` builds them)."""
 
+IN_TURN = "in_turn"
+"""The ``step_peak_bytes`` entry of the shapes run in turn from a trimmed heap, untrimmed
+between them, as a deployment runs its steps: the pages each step leaves resident add up."""
+
 
 @dataclass(frozen=True)
 class MeasuredTerms:
@@ -45,7 +49,8 @@ class MeasuredTerms:
     """Kept after the first steps: kernels and their caches, thread stacks, heap."""
     step_peak_bytes: dict[str, int] = field(default_factory=dict)
     """Per peak shape (``STEP_SHAPES``), how far one step (forward + sampling over the full
-    vocabulary) rises above the steady state."""
+    vocabulary) rises above the steady state; and under ``IN_TURN``, how far the shapes run
+    one after another do."""
     server_bytes: int = 0
     """``kvroom serve`` only: the HTTP app, its modules, its copy of the tokenizer, and the
     kernels' per-thread state on the engine thread."""
