@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from kvroom.threads import choose_wait_policy
+
 sys.path.insert(0, str(Path(__file__).parent))
 from sse_client import (  # noqa: E402
     RequestTiming,
@@ -51,7 +53,6 @@ LABELS = {"on": "kvroom on", "off": "kvroom off", "vllm": "vllm"}
 VLLM_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores compute, as kvroom's (a loop shares them)
-    "OMP_WAIT_POLICY": "PASSIVE",  # kvroom's default
 }
 
 
@@ -98,7 +99,9 @@ def counters(url: str) -> dict[str, float]:
 
 
 def start(mode: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    """The server of ``mode``: kvroom with caching on or off, or vLLM (its default, on)."""
+    """The server of ``mode``: kvroom with caching on or off, or vLLM (its default, on); every
+    server inherits kvroom's idle-thread setting (``kvroom.threads``), chosen once here."""
+    choose_wait_policy()
     name = ["--served-model-name", MODEL]
     if mode == "vllm":
         env = dict(VLLM_ENV, **dict(item.split("=", 1) for item in args.vllm_env))

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # kvroom's default (see kvroom/__init__.py),
-# set before torch loads; vLLM's subprocess inherits it, so both engines run with the same one.
+from kvroom.threads import wait_policy_env
+
+os.environ.update(wait_policy_env())  # kvroom's idle-thread setting (kvroom/threads.py),
+# before torch loads; vLLM's subprocess inherits it, so both engines run with the same one.
 
 import argparse
 import json

@@ -10,19 +10,14 @@ Public API (imported lazily, so ``import kvroom`` stays light)::
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from typing import Any
 
 from kvroom.heap import bound_kernel_caches
+from kvroom.threads import choose_wait_policy
 
 if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Idle OpenMP threads sleep at once instead of spinning. A decode step opens ~10 parallel
-    # regions per layer; where the cores are shared (other processes, the HTTP thread), a
-    # spinning worker steals the slice its peer needs and every join waits a scheduler tick:
-    # measured on a 2-core machine at load ~14, 32 x 16 batch decode ran 16.5 tok/s passive,
-    # 8 tok/s with libgomp's default spin and 4.4 tok/s ACTIVE. Set OMP_WAIT_POLICY to override.
+    choose_wait_policy()
 
 __version__ = "0.1.0"
 

@@ -105,16 +105,23 @@ def test_bf16_residual_add_rounds_exactly_as_torch() -> None:
     assert h[0, 0].isnan() and h[0, 1] == float("inf") and h[0, 2] == -float("inf")
 
 
-def test_sdpa_for_context_prefill_is_part_of_the_description() -> None:
+def test_sdpa_for_context_prefill_is_part_of_the_description(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     text = CpuKernels(isa="amx", bf16_packed=True, native=True, sdpa_context_prefill=True)
-    assert text.describe().endswith("fused SiLU-GLU; SDPA for prefill with cached context")
+    assert text.describe().endswith(
+        "fused SiLU-GLU; SDPA for prefill with cached context; "
+        "idle threads: OMP_WAIT_POLICY=PASSIVE"
+    )
 
 
-def test_the_choice_is_described_in_one_line() -> None:
+def test_the_choice_is_described_in_one_line(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "100000")
     text = CpuKernels(isa="avx2", bf16_packed=False, native=True).describe()
     assert text == (
         "CPU kernels: avx2; bf16 projections: fp32 GEMM on widened bf16 weights; "
-        "native paged decode and prefill attention, fused SiLU-GLU"
+        "native paged decode and prefill attention, fused SiLU-GLU; "
+        "idle threads: GOMP_SPINCOUNT=100000"
     )
 
 

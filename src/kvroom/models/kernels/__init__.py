@@ -27,6 +27,7 @@ from functools import cache
 
 import torch
 
+from kvroom import threads
 from kvroom.models.kernels.build import cpu_flags, library
 
 log = logging.getLogger("kvroom.kernels")
@@ -56,7 +57,10 @@ class CpuKernels:
             else "torch SDPA (no native kernels)"
         )
         fp32 = "; fp32 projections: native panel GEMM" if self.panel_gemm else ""
-        return f"CPU kernels: {self.isa}; bf16 projections: {bf16}{fp32}; {attn}"
+        wait = threads.describe()
+        return (
+            f"CPU kernels: {self.isa}; bf16 projections: {bf16}{fp32}; {attn}; idle threads: {wait}"
+        )
 
 
 def _isa(flags: frozenset[str]) -> str:
