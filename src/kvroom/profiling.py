@@ -36,6 +36,7 @@ from kvroom.errors import KvroomError
 from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
 IN_TURN_ROUNDS = 3
 """Rounds over every shape, one after another with no trim between steps, for the
 ``IN_TURN`` term. One SmolLM2 fp32 artifact (2,048-token budget): the shapes' largest single
