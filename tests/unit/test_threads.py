@@ -9,8 +9,9 @@ from kvroom import threads
 
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in threads.WAIT_ENV:
-        monkeypatch.delenv(name, raising=False)
+    for name in threads.WAIT_ENV:  # recorded, so what a test sets is undone after it
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     return monkeypatch
 
