@@ -201,7 +201,7 @@ needs_panels = pytest.mark.skipif(not cpu_kernels().panel_gemm, reason="no AVX-5
 
 
 @needs_panels
-@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 32, 35, 100, 200])
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 32, 35, 100, 200, 256, 300, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_gemm_matches_matmul(rows: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
