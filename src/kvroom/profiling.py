@@ -75,8 +75,8 @@ def measure_terms(folder: Path, timeout_s: float = 1800.0) -> MeasuredTerms:
 
 
 def _chunk_sizes(batch_size: int, max_seq_len: int, budget: int) -> list[int]:
-    """Prefill chunks of one step with the most rows and the widest padded layout: as many
-    sequences as the budget seats (two tokens at least each), the longest chunks first."""
+    """Prefill chunks of one step with the most rows and the most chunks: as many sequences as
+    the budget seats (two tokens at least each), the longest chunks first."""
     seqs = max(1, min(batch_size, budget // 2))
     sizes = []
     left = budget
@@ -88,8 +88,8 @@ def _chunk_sizes(batch_size: int, max_seq_len: int, budget: int) -> list[int]:
 
 
 def _fresh_sizes(batch_size: int, max_seq_len: int, budget: int) -> list[int]:
-    """New prompts of one length filling the budget: the padded layout fresh chunks are
-    attended in, at its largest (``attention_index`` pads equal chunks only)."""
+    """New prompts of one length filling the budget: the most rows of equally long fresh
+    chunks, which are attended together in one call (``attention_index``)."""
     n = min(max_seq_len, budget)
     return [n] * max(1, min(batch_size, budget // n))
 
@@ -101,7 +101,7 @@ def peak_steps(info: ArtifactInfo, vocab_size: int) -> dict[str, SchedulerOutput
     - ``prefill``: one chunk of ``min(max_num_batched_tokens, max_seq_len)`` tokens;
     - ``prefill_many``: the budget split over as many chunks as it seats (``_chunk_sizes``);
     - ``prefill_fresh``: the budget over new prompts of one length (every chunk at position
-      0, ``_fresh_sizes``): the padded layout equal fresh chunks are attended in;
+      0, ``_fresh_sizes``): equally long fresh chunks, attended together in one call;
     - ``mixed``: ``batch_size // 2`` decodes, the rest of the budget split over chunks as
       ``prefill_many`` splits it (a deployment's steps while requests arrive: one of 16
       decodes and 8 chunks, 2,048 tokens, rose up to 49 MiB where ``prefill_many`` rose 43).

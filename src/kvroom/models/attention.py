@@ -106,14 +106,12 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class PrefillGroup:
-    """Rows ``[row_start, T)``: chunks of two or more tokens, laid out ``[B, max_q_len]``."""
+    """Rows ``[row_start, T)``: chunks of two or more tokens, ``num_seqs`` of them, the longest
+    ``max_q_len`` (every one of them when ``fresh``)."""
 
     row_start: int
     num_seqs: int
     max_q_len: int
-    pad_index: torch.Tensor | None
-    """``[Tp]`` row of each packed token in the padded ``[B * max_q_len]`` layout; None where
-    the packed rows are that layout already (one chunk, or equally long ones)."""
     kv_index: torch.Tensor | None
     """Full: ``[B, n]`` blocks to gather. Sliding: ``[B, L_old]`` flat ring entries of the old
     keys, None when no chunk has any."""
@@ -287,7 +285,7 @@ def _prefill_full(
         if out is not None:
             return out
     if g.fresh:
-        keys = _padded(_as_stored(kv[g.row_start :], cache.dtype), g)
+        keys = _per_seq(_as_stored(kv[g.row_start :], cache.dtype), g)
         return _prefill(q, keys, g, scale, softcap)
     return _prefill_chunks(q, cache, g.chunks, scale, softcap)
 
@@ -355,18 +353,12 @@ def _prefill(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Fresh chunks padded to ``[B, max_q_len]`` (a view when they are equally long), attended
-    in one call over their own keys, padded the same way, under SDPA's causal mask (the padding
-    rows come last in each chunk, so no real query sees them)."""
-    tp, h, d = q.shape
-    if g.pad_index is None:
-        q_pad = q.view(g.num_seqs, g.max_q_len, h, d)
-    else:
-        q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
-        q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)
-    out = _attend(q_pad.transpose(1, 2), keys, None, scale, softcap, causal=True)
-    out = out.transpose(1, 2).reshape(-1, h * d)
-    return out if g.pad_index is None else out.index_select(0, g.pad_index)
+    """Equally long fresh chunks viewed as ``[B, max_q_len]``, attended in one call over their
+    own keys, viewed the same way, under SDPA's causal mask."""
+    _, h, d = q.shape
+    q_rows = q.view(g.num_seqs, g.max_q_len, h, d)
+    out = _attend(q_rows.transpose(1, 2), keys, None, scale, softcap, causal=True)
+    return out.transpose(1, 2).reshape(-1, h * d)
 
 
 def _prefill_sliding(
@@ -401,13 +393,9 @@ def _as_stored(kv: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
     return kv if pool_dtype == kv.dtype else kv.to(pool_dtype).to(kv.dtype)
 
 
-def _padded(rows: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
-    """The chunks' packed rows ``[Tp, ...]`` laid out ``[B, max_q_len, ...]`` like the queries."""
-    if g.pad_index is None:
-        return rows.view(g.num_seqs, g.max_q_len, *rows.shape[1:])
-    padded = rows.new_zeros(g.num_seqs * g.max_q_len, *rows.shape[1:])
-    padded.index_copy_(0, g.pad_index, rows)
-    return padded.view(g.num_seqs, g.max_q_len, *rows.shape[1:])
+def _per_seq(rows: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
+    """Equally long chunks' packed rows ``[Tp, ...]`` viewed ``[B, max_q_len, ...]``."""
+    return rows.view(g.num_seqs, g.max_q_len, *rows.shape[1:])
 
 
 def _attend(

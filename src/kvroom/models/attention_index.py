@@ -82,21 +82,12 @@ class _Builder:
         self.num_decode = num_decode
         self.num_tokens = num_decode + sum(c.q_len for c in self.pre)
         self.max_q = max((c.q_len for c in self.pre), default=0)
-        self.pad_index = self._pad_index()
-
-    def _pad_index(self) -> torch.Tensor | None:
-        """None where the packed rows are the padded layout already (one chunk, or equal
-        chunks): the attention then views them instead of copying."""
-        if all(c.q_len == self.max_q for c in self.pre):
-            return None
-        rows = [i * self.max_q + j for i, c in enumerate(self.pre) for j in range(c.q_len)]
-        return torch.tensor(rows, dtype=torch.long)
 
     def _equal_chunks(self) -> bool:
-        """Fresh chunks are attended in one SDPA call, padded to ``[B, max_q_len]``, only when
-        they are equally long: then the padded copies hold the step's own rows and no more,
-        as the profiling pass's ``prefill_fresh`` step does. Ragged ones take the per-chunk
-        path: padded, a long prompt among 24 two-token ones would hold 32 x 256 rows for 280."""
+        """Fresh chunks are attended in one SDPA call only when they are equally long: their
+        packed rows are then the ``[B, max_q_len]`` layout itself, viewed, not copied (the
+        profiling pass's ``prefill_fresh`` step). Ragged ones take the per-chunk path: padded,
+        a long prompt among 24 two-token ones would hold 32 x 256 rows for 280."""
         return all(c.q_len == self.max_q for c in self.pre)
 
     def full(self, bs: int) -> KindBatch:
@@ -168,7 +159,6 @@ class _Builder:
             row_start=self.num_decode,
             num_seqs=len(self.pre),
             max_q_len=self.max_q,
-            pad_index=self.pad_index,
             kv_index=kv_index,
             **extra,
         )

@@ -131,30 +131,25 @@ def _attend_prefill(
     key_cis: Callable[[int], torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    """Fresh chunks padded to ``[B, max_q_len]`` against their gathered blocks, one SDPA call;
-    chunk by chunk (``g.chunks``) when some chunk has cached context."""
+    """Equally long fresh chunks, viewed ``[B, max_q_len]``, against their gathered blocks in
+    one SDPA call; chunk by chunk (``g.chunks``) otherwise."""
     if g.chunks:
         return _attend_chunks(q, cache, g.chunks, k_weight, key_cis, scale)
-    tp, h, d = q.shape
+    _, h, d = q.shape
     assert g.kv_index is not None
     values = _gather(cache, g.kv_index, q.dtype)
     cis = key_cis(values.shape[1])
-    if g.pad_index is None:
-        q_pad = q.view(g.num_seqs, g.max_q_len, h, d)
-    else:
-        q_pad = q.new_zeros(g.num_seqs * g.max_q_len, h, d).index_copy_(0, g.pad_index, q)
-        q_pad = q_pad.view(g.num_seqs, g.max_q_len, h, d)
+    q_rows = q.view(g.num_seqs, g.max_q_len, h, d)  # equally long fresh chunks
     k = rebuild_keys(values, k_weight, cis).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2),
+        q_rows.transpose(1, 2),
         k,
         values.transpose(1, 2),
         scale=scale,
         enable_gqa=h != values.shape[2],
         is_causal=True,  # a fresh group: query j of each chunk sees keys 0..j
     )
-    out = out.transpose(1, 2).reshape(-1, h * d)
-    return out if g.pad_index is None else out.index_select(0, g.pad_index)
+    return out.transpose(1, 2).reshape(-1, h * d)
 
 
 def _attend_chunks(
