@@ -24,7 +24,8 @@ def _case(
     d: int = 16,
 ):
     gen = torch.Generator().manual_seed(0)
-    unit, units = 4, 40
+    unit = 4
+    units = max(40, len(lens) * -(-max(lens) // unit))
     cache = torch.randn(units, unit, 2, kv_heads, d, generator=gen).to(kv_dtype)
     n = max(-(-x // unit) for x in lens)
     perm = torch.randperm(units, generator=gen)[: len(lens) * n].view(len(lens), n)
@@ -62,17 +63,44 @@ def test_decode_attention_many_items_runs_threaded_and_the_same() -> None:
 
 @pytest.mark.parametrize("d", [16, 64])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_engine_decode_takes_the_prefill_kernel_unless_softcapped(d, softcap) -> None:
+def test_engine_decode_takes_the_vector_decode_kernel_else_the_prefill_kernel(d, softcap) -> None:
     q, cache, group, lens = _case(torch.float32, torch.float32, 6, 2, [1, 7, 16, 13], d=d)
     ref = attention._decode(q, cache, group, 0.25, softcap)  # torch: no lens in the group
     native = dataclasses.replace(group, lens=lens, last_pos=lens - 1, one_row=torch.ones_like(lens))
     out = attention._native_decode(q, cache, native, 0.25, softcap)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    if softcap is None:
+    if softcap is None and not ops.decode_vectorized(d):
         kernel = ops.prefill_attention(q, cache, group.kv_index, lens - 1, native.one_row, 0.25)
     else:
         kernel = ops.decode_attention(q, cache, group.kv_index, lens, 0.25, softcap)
     assert torch.equal(out, kernel)
+
+
+def test_the_vector_decode_path_is_taken_on_avx512_for_common_head_dims() -> None:
+    avx512 = cpu_kernels().isa in ("amx", "avx512_bf16", "avx512")
+    assert [ops.decode_vectorized(d) for d in (64, 128, 256)] == [avx512] * 3
+    assert not ops.decode_vectorized(80)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "tol"),
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.float32, torch.bfloat16, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 2**-8),  # fp32 inside, one rounding of the output
+    ],
+)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("seqs", [3, 12])  # one item per (sequence, kv head); per sequence
+def test_vector_decode_matches_sdpa_across_units(d, dtype, kv_dtype, tol, softcap, seqs) -> None:
+    lens = [1 + (i * 7) % 19 for i in range(seqs)]  # unit 4: rows in 1 to 5 units
+    q, cache, group, lens_t = _case(dtype, kv_dtype, heads=9, kv_heads=3, lens=lens, d=d)
+    wide = dataclasses.replace(group, mask=group.mask.float())  # the kernel computes in fp32
+    ref = attention._decode(q.float(), cache.float(), wide, 0.25, softcap)
+    out = ops.decode_attention(q, cache, group.kv_index, lens_t, 0.25, softcap)
+    assert out is not None
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

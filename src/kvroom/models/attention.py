@@ -206,11 +206,12 @@ def _select(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> tor
 def _native_decode(
     q: torch.Tensor, cache: torch.Tensor, g: DecodeGroup, scale: float, softcap: float | None
 ) -> torch.Tensor | None:
-    """Without a softcap, the tiled prefill kernel with one query row per sequence: as fast as
-    the per-token decode kernel or faster (8 sequences x 1,500 keys, bf16: 1.38 against
-    5.52 ms on an AVX-512 BF16 CPU). The decode kernel serves softcaps and the head dims the
-    prefill kernel was not built for. None: neither applies."""
-    if not softcap and g.last_pos is not None and g.one_row is not None:
+    """The decode kernel where it has its vector path (AVX-512, head dim 64/128/256). Else,
+    without a softcap, the tiled prefill kernel with one query row per sequence, faster than
+    the decode kernel's scalar path (8 sequences x 1,500 keys, bf16: 1.38 against 5.52 ms); the
+    decode kernel serves the rest. None: neither applies."""
+    fast = native.decode_vectorized(q.shape[2])
+    if not fast and not softcap and g.last_pos is not None and g.one_row is not None:
         out = native.prefill_attention(q, cache, g.kv_index, g.last_pos, g.one_row, scale)
         if out is not None:
             return out

@@ -106,23 +106,6 @@ void decode_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* t
   }
 }
 
-template <typename Q, typename KV>
-void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
-            int64_t t_stride, const int64_t* lens, Q* out, int B, int H, int KVH, int D,
-            int unit_len, float scale, float softcap, int serial_max) {
-  const int items = B * KVH;
-#pragma omp parallel if (items > serial_max)
-  {
-    std::vector<float> buf;
-#pragma omp for schedule(static)
-    for (int it = 0; it < items; ++it) {
-      const int b = it / KVH, g = it % KVH;
-      decode_item(q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g, H, KVH, D,
-                  unit_len, scale, softcap, buf);
-    }
-  }
-}
-
 // ---- Paged prefill attention: causal chunks, K/V read in place from the pool ----------------
 //
 //   q      [Tp, H, D] packed rows of B chunks, chunk b = q_lens[b] rows at positions
@@ -424,6 +407,202 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) 
   }
 }
 
+// ---- Paged decode attention on AVX-512: no transposes, K and V read once, in place ----------
+//
+// Same inputs and work items as ``decode`` above, for head dims that are whole 16-float
+// vectors. Per item: each key's G dot products are 16-wide FMAs over the K row as it lies in
+// the pool, then one horizontal sum each; the scores are kept, so the softmax is exact
+// (max-subtracted, float32, vector exp); then the V rows are streamed once into G x D float
+// accumulators, scaled by 1 / sum at the end. The order of sums is fixed per item, so results
+// do not depend on threads.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+
+inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 ld16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+constexpr int PF = 4;  // rows ahead to prefetch
+
+// acc[0..JB)[0..DV) += w[jj][p] * v_p over the rows p of one sequence's units (V of one kv
+// head at ``vbase``), the accumulators held in registers.
+template <int DV, int JB, typename KV>
+inline void weigh_values(const KV* vbase, const int64_t* table, int64_t len, int unit_len,
+                         int64_t row, const float* w, int64_t lp, float* acc, int D) {
+  __m512 a[JB][DV];
+  for (int jj = 0; jj < JB; ++jj)
+    for (int c = 0; c < DV; ++c) a[jj][c] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < len; p0 += unit_len) {
+    const KV* unit = vbase + table[p0 / unit_len] * unit_len * row;
+    const int64_t n = std::min<int64_t>(unit_len, len - p0);
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* v = unit + t * row;
+      __m512 x[DV];
+      for (int c = 0; c < DV; ++c) x[c] = ld16(v + 16 * c);
+      for (int jj = 0; jj < JB; ++jj) {
+        const __m512 wj = _mm512_set1_ps(w[jj * lp + p0 + t]);
+        for (int c = 0; c < DV; ++c) a[jj][c] = _mm512_fmadd_ps(wj, x[c], a[jj][c]);
+      }
+    }
+  }
+  for (int jj = 0; jj < JB; ++jj)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + jj * D + 16 * c, a[jj][c]);
+}
+
+template <int DV, int JB, typename KV>
+inline void weigh_values_of(int jb, const KV* vbase, const int64_t* table, int64_t len,
+                            int unit_len, int64_t row, const float* w, int64_t lp, float* acc,
+                            int D) {
+  if constexpr (JB > 0) {
+    if (jb == JB)
+      weigh_values<DV, JB>(vbase, table, len, unit_len, row, w, lp, acc, D);
+    else
+      weigh_values_of<DV, JB - 1>(jb, vbase, table, len, unit_len, row, w, lp, acc, D);
+  }
+}
+
+// One sequence's query heads g0 * G .. (g0 + gn) * G - 1 (kv heads g0 .. g0 + gn - 1); DV =
+// head dim / 16, a compile-time constant so each dot product's FMAs are unrolled.
+template <int DV, typename Q, typename KV>
+void decode_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
+                   int64_t len, Q* out, int b, int g0, int gn, int H, int KVH, int unit_len,
+                   float scale, float softcap, std::vector<float>& buf) {
+  constexpr int D = 16 * DV, JB = DV <= 4 ? 6 : (DV <= 8 ? 3 : 1);  // heads per V pass
+  const int G = H / KVH, M = gn * G;
+  const int64_t lp = (len + VW - 1) / VW * VW;  // score rows padded to whole vectors
+  buf.resize(static_cast<size_t>(M) * (2 * D + lp));
+  float* qf = buf.data();   // [M][D] queries in float (pre-scaled unless softcapped)
+  float* acc = qf + M * D;  // [M][D]
+  float* sc = acc + M * D;  // [M][lp]
+  const float qs = softcap > 0.f ? 1.f : scale;
+  const Q* qrow = q + b * q_stride + static_cast<int64_t>(g0) * G * D;
+  for (int i = 0; i < M * D; ++i) qf[i] = load(qrow[i]) * qs;
+  const int64_t row = 2LL * KVH * D;  // elements per pool row (one position)
+  const KV* kbase = cache + static_cast<int64_t>(g0) * D;
+  for (int64_t p0 = 0; p0 < len; p0 += unit_len) {  // unit by unit: its rows are contiguous
+    const KV* unit = kbase + table[p0 / unit_len] * unit_len * row;
+    const int64_t n = std::min<int64_t>(unit_len, len - p0);
+    const KV* next = p0 + unit_len < len ? kbase + table[p0 / unit_len + 1] * unit_len * row
+                                         : nullptr;
+    for (int64_t t = 0; t < n; ++t) {
+      // fetch the row PF ahead (in this unit or the next): its K to L1, its V to L2 for the
+      // second pass; the units lie anywhere in the pool, so the hardware cannot guess them
+      const KV* ahead = t + PF < n ? unit + (t + PF) * row
+                        : next && p0 + t + PF < len ? next + (t + PF - unit_len) * row
+                                                    : nullptr;
+      if (ahead) {
+        for (int64_t i = 0; i < gn * D; i += 64 / sizeof(KV))
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T0);
+        for (int64_t i = 0; i < gn * D; i += 64 / sizeof(KV))
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + KVH * D + i), _MM_HINT_T1);
+      }
+      for (int g = 0; g < gn; ++g) {
+        const KV* k = unit + t * row + g * D;
+        __m512 x[DV];
+        for (int c = 0; c < DV; ++c) x[c] = ld16(k + 16 * c);
+        for (int j = 0; j < G; ++j) {
+          const int m = g * G + j;
+          const float* qm = qf + m * D;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qm), x[0]);
+          for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qm + 16 * c), x[c], a);
+          sc[m * lp + p0 + t] = _mm512_reduce_add_ps(a);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float* s = sc + m * lp;
+    if (softcap > 0.f)
+      for (int64_t p = 0; p < len; ++p) s[p] = softcap * std::tanh(s[p] * scale / softcap);
+    for (int64_t p = len; p < lp; ++p) s[p] = -INFINITY;  // exp gives exactly 0
+    vf top = vld(s);
+    for (int64_t p = VW; p < lp; p += VW) {
+      const vf x = vld(s + p);
+      top = x > top ? x : top;
+    }
+    float mx = top[0];
+    for (int c = 1; c < VW; ++c) mx = top[c] > mx ? top[c] : mx;
+    vf sum = {};
+    for (int64_t p = 0; p < lp; p += VW) {
+      const vf e = vexp(vld(s + p) - mx);
+      vst(s + p, e);
+      sum += e;
+    }
+    float total = 0.f;
+    for (int c = 0; c < VW; ++c) total += sum[c];
+    qf[m * D] = 1.f / total;  // the query is spent: keep 1 / sum in its first slot
+  }
+  for (int g = 0; g < gn; ++g) {
+    const KV* vbase = cache + static_cast<int64_t>(KVH + g0 + g) * D;
+    for (int j0 = 0; j0 < G; j0 += JB) {
+      const int m = g * G + j0;
+      weigh_values_of<DV, JB>(std::min(JB, G - j0), vbase, table, len, unit_len, row,
+                              sc + m * lp, lp, acc + m * D, D);
+    }
+  }
+  Q* dst = out + static_cast<int64_t>(b) * H * D + static_cast<int64_t>(g0) * G * D;
+  for (int m = 0; m < M; ++m) {
+    const float inv = qf[m * D];
+    for (int i = 0; i < D; ++i) store(dst + m * D + i, acc[m * D + i] * inv);
+  }
+}
+
+template <typename Q, typename KV>
+void decode_item16(int D, const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
+                   int64_t len, Q* out, int b, int g0, int gn, int H, int KVH, int unit_len,
+                   float scale, float softcap, std::vector<float>& buf) {
+  if (D == 64)
+    decode_item16<4>(q, q_stride, cache, table, len, out, b, g0, gn, H, KVH, unit_len, scale,
+                     softcap, buf);
+  else if (D == 128)
+    decode_item16<8>(q, q_stride, cache, table, len, out, b, g0, gn, H, KVH, unit_len, scale,
+                     softcap, buf);
+  else
+    decode_item16<16>(q, q_stride, cache, table, len, out, b, g0, gn, H, KVH, unit_len, scale,
+                      softcap, buf);
+}
+#endif
+
+template <typename Q, typename KV>
+void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
+            int64_t t_stride, const int64_t* lens, Q* out, int B, int H, int KVH, int D,
+            int unit_len, float scale, float softcap, int serial_max) {
+  const int items = B * KVH;
+#if defined(__AVX512F__)
+  const bool vector = D == 64 || D == 128 || D == 256;
+#endif
+#if defined(__AVX512F__)
+  if (vector) {  // one item per sequence (all its KV heads: each row read whole, in order)
+    // while there are sequences enough to share out; else one per (sequence, kv head)
+    const int per = B >= 4 * omp_get_max_threads() ? KVH : 1, n = B * (KVH / per);
+#pragma omp parallel if (n > serial_max)
+    {
+      std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+      for (int it = 0; it < n; ++it) {
+        const int b = it / (KVH / per), g0 = it % (KVH / per) * per;
+        decode_item16(D, q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g0, per,
+                      H, KVH, unit_len, scale, softcap, buf);
+      }
+    }
+    return;
+  }
+#endif
+#pragma omp parallel if (items > serial_max)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(static)
+    for (int it = 0; it < items; ++it) {
+      const int b = it / KVH, g = it % KVH;
+        decode_item(q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g, H, KVH, D,
+                    unit_len, scale, softcap, buf);
+    }
+  }
+}
+
 // Skinny fp32 GEMM, y[M, N] = x[M, K] @ W (+ bias), for projections whose weights were packed
 // once at load into column panels: panel p holds W[:, 32p : 32p + 32] as K rows of 32 floats,
 // so one panel is one sequential stream. Each thread takes a contiguous run of panels; inside a
@@ -596,6 +775,17 @@ int kvroom_panel_gemm(const float* x, int64_t x_stride, const float* w, const fl
 #endif
 }
 
-int kvroom_abi_version() { return 3; }
+// 1 where the decode kernel takes its AVX-512 path for this head dim (faster than the prefill
+// kernel with one query row), else 0.
+int kvroom_decode_vectorized(int D) {
+#if defined(__AVX512F__)
+  return D == 64 || D == 128 || D == 256;
+#else
+  (void)D;
+  return 0;
+#endif
+}
+
+int kvroom_abi_version() { return 4; }
 
 }  // extern "C"

@@ -3,6 +3,8 @@ the caller then runs its torch path (``attention.py``, ``layers.py``)."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from kvroom.models.kernels import cpu_kernels
@@ -14,6 +16,15 @@ SERIAL_MAX_ITEMS = 8
 """Work items (decode: sequence x kv head; norm: rows) up to which a kernel runs on one thread:
 below it the OpenMP fork/join costs more than it saves, and on a shared machine the join may
 wait a whole scheduler slice for the other core."""
+
+
+@cache
+def decode_vectorized(head_dim: int) -> bool:
+    """Whether ``decode_attention`` runs its AVX-512 path for this head dim: each key row read
+    once in place, no transposes (3x the prefill kernel with one query row, 32 sequences of
+    about 80 keys); else the prefill kernel is the faster of the two."""
+    lib = library()
+    return lib is not None and bool(lib.kvroom_decode_vectorized(head_dim))
 
 
 def decode_attention(
