@@ -145,13 +145,17 @@ def test_shrink_moves_high_blocks_into_free_low_ones() -> None:
     bm.check_invariants()
 
 
-def test_shrink_keeps_the_free_order_of_the_blocks_it_keeps() -> None:
+def test_the_lowest_free_block_is_handed_out_first_also_after_a_shrink() -> None:
     bm = make_bm(num_blocks=6)
     bm.allocate(1, 8)  # blocks 0, 1
     bm.allocate(2, 4)  # block 2
-    bm.free(1)  # free list: 3, 4, 5, 0, 1
-    bm.shrink(4)
-    assert list(bm._free_blocks) == [3, 0, 1]
+    bm.free(1)  # free: 0, 1, 3, 4, 5
+    bm.allocate(3, 4)
+    assert bm.block_table(3) == (0,), "a freed low block is reused before a never-used one"
+    bm.shrink(4)  # free: 1, 3
+    bm.allocate(4, 8)
+    assert bm.block_table(4) == (1, 3)
+    bm.check_invariants()
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
