@@ -1,12 +1,14 @@
 """The native panel GEMM against oneDNN's prepacked GEMM on one model's projections.
 
 .venv/bin/python benchmarks/panel_gemm.py [--rows 1,8,16,32,64,128,512] [--layers 30]
+    [--dtype float32|bfloat16]
 
 SmolLM2-135M's shapes by default (per layer: qkv 576x960, o 576x576, gate/up 576x3072, down
 1536x576; then the 576x49152 LM head), each layer's weights distinct, so a step reads them
 cold as decode does. Per row count, the two take turns for 5 rounds after a warm-up; the
-median step time of each and their ratio are printed. fp32; needs the native kernels and an
-AVX-512 CPU (``kvroom.models.kernels``).
+median step time of each and their ratio are printed. fp32 needs the native kernels and an
+AVX-512 CPU, bf16 an AVX512-BF16 one without AMX (``kvroom.models.kernels``); oneDNN runs bf16
+as its prepacked bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ HEAD = (576, 49152)
 
 def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, rows: int) -> float:
     """One step: every layer's projections, then the head, on fresh ``rows``-row inputs."""
-    inputs = {k: torch.randn(rows, k) for k in {k for lay in dims for k in lay}}
+    dtype = weights[0][0].dtype
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for lay in dims for k in lay}}
     start = time.perf_counter()
     for layer, layer_dims in zip(weights, dims, strict=True):
         for w, k in zip(layer, layer_dims, strict=True):
@@ -38,12 +41,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,16,32,64,128,512")
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
-    if not cpu_kernels().panel_gemm:
-        raise SystemExit("the native panel GEMM does not run here (no AVX-512 or no compiler)")
+    dtype = getattr(torch, args.dtype)
+    kernels = cpu_kernels()
+    if not (kernels.panel_gemm if dtype == torch.float32 else kernels.panel_gemm_bf16):
+        raise SystemExit(f"the native {args.dtype} panel GEMM does not run on this CPU")
     torch.manual_seed(0)
-    dense = [[torch.randn(k, n) * 0.02 for k, n in SHAPES.values()] for _ in range(args.layers)]
-    dense[-1].append(torch.randn(*HEAD) * 0.02)  # the head, after the last layer
+    dense = [
+        [(torch.randn(k, n) * 0.02).to(dtype) for k, n in SHAPES.values()]
+        for _ in range(args.layers)
+    ]
+    dense[-1].append((torch.randn(*HEAD) * 0.02).to(dtype))  # the head, after the last layer
     onednn = [
         [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in lay]
         for lay in dense

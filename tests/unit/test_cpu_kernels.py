@@ -252,7 +252,47 @@ def test_panels_hold_each_column_block_as_one_stream() -> None:
 
 def test_pack_panels_declines_what_the_kernel_was_not_built_for() -> None:
     assert ops.pack_panels(torch.randn(8, 40)) is None  # width not a multiple of 32
-    assert ops.pack_panels(torch.randn(8, 64, dtype=torch.bfloat16)) is None
+    assert ops.pack_panels(torch.randn(8, 64, dtype=torch.float16)) is None
+    bf16 = ops.pack_panels(torch.randn(8, 64, dtype=torch.bfloat16))
+    assert (bf16 is not None) == cpu_kernels().panel_gemm_bf16
+
+
+needs_bf16_panels = pytest.mark.skipif(
+    not cpu_kernels().panel_gemm_bf16, reason="no native bf16 panel GEMM on this CPU"
+)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("rows", [1, 13, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_panel_gemm_is_the_fp32_product_rounded_once(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=gen).bfloat16()
+    x = torch.randn(rows, 300, generator=gen).bfloat16()[:, 50:250]
+    b = torch.randn(96, generator=gen).bfloat16() if bias else None
+    got = ops.panel_gemm(x, ops.pack_panels(w), b)
+    want = x.double() @ w.double() + (0 if b is None else b.double())
+    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
+    # within half a bf16 ulp of the exact product (plus fp32 summation error)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=2**-8 + 1e-5)
+
+
+@needs_bf16_panels
+def test_bf16_panel_rows_interleave_the_two_halves_of_each_panel() -> None:
+    w = torch.arange(64 * 3, dtype=torch.float32).view(3, 64).bfloat16()
+    panels = ops.pack_panels(w)
+    assert panels.shape == (2, 3, 32) and panels.dtype == torch.bfloat16
+    cols = [32 + (i // 2) + 16 * (i % 2) for i in range(32)]  # 32, 48, 33, 49, ...
+    assert torch.equal(panels[1], w[:, cols])
+
+
+@needs_bf16_panels
+def test_bf16_panel_gemm_rounds_nan_and_overflow_through() -> None:
+    w = torch.ones(2, 32, dtype=torch.bfloat16)
+    x = torch.tensor([[3e38, 3e38], [-3e38, -3e38], [float("nan"), 1.0]]).bfloat16()
+    got = ops.panel_gemm(x, ops.pack_panels(w))  # fp32 sums: +-6e38 overflow to +-inf
+    assert (got[0] == float("inf")).all() and (got[1] == -float("inf")).all()
+    assert got[2].isnan().all()
 
 
 @needs_panels

@@ -11,7 +11,10 @@
   in place from the blocks, the fused residual add + RMSNorm and SiLU-GLU; None means the
   torch paths.
 * fp32 projections: the native panel GEMM (``ops.panel_gemm``) on AVX-512 CPUs, unless
-  ``KVROOM_PANEL_GEMM=0``; else oneDNN's prepacked GEMM (``layers.prepare_weight``).
+  ``KVROOM_PANEL_GEMM=0``; else oneDNN's prepacked GEMM (``layers.prepare_weight``). bf16
+  projections likewise on AVX-512 CPUs without AMX (bf16 panels widened in registers: half
+  the bytes of fp32 ones; 0.6x oneDNN's bf16 decode step at 32 rows on an AVX512-BF16 CPU);
+  with AMX, oneDNN's tiles.
 * who attends prefill chunks with cached context: on AVX-512 CPUs torch's flash SDPA over the
   gathered blocks under a mask (its tiles run as oneDNN GEMMs: 2.7x the native kernel in bf16
   with AMX, 1.2x in fp32, ``benchmarks/prefill_attention.py``), else the native kernel, which
@@ -47,6 +50,10 @@ class CpuKernels:
     kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
     panel_gemm: bool = False
     """fp32 projections run as the native AVX-512 panel GEMM (``ops.panel_gemm``), not oneDNN."""
+    panel_gemm_bf16: bool = False
+    """bf16 projections run as the native panel GEMM (bf16 panels widened to fp32 in registers,
+    half the bytes of fp32 ones), not oneDNN: on AVX-512 CPUs without AMX, whose tiles oneDNN
+    uses."""
 
     def describe(self) -> str:
         bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
@@ -57,6 +64,8 @@ class CpuKernels:
             else "torch SDPA (no native kernels)"
         )
         fp32 = "; fp32 projections: native panel GEMM" if self.panel_gemm else ""
+        if self.panel_gemm_bf16:
+            bf16 = "native panel GEMM"
         wait = threads.describe()
         return (
             f"CPU kernels: {self.isa}; bf16 projections: {bf16}{fp32}; {attn}; idle threads: {wait}"
@@ -79,14 +88,14 @@ def cpu_kernels() -> CpuKernels:
     flags = cpu_flags()
     packed = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     isa = _isa(flags)
+    panels = library() is not None and os.environ.get("KVROOM_PANEL_GEMM", "1") != "0"
     chosen = CpuKernels(
         isa=isa,
         bf16_packed=packed,
         native=library() is not None,
         sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
-        panel_gemm=library() is not None
-        and "avx512f" in flags
-        and os.environ.get("KVROOM_PANEL_GEMM", "1") != "0",
+        panel_gemm=panels and "avx512f" in flags,
+        panel_gemm_bf16=panels and "avx512f" in flags and isa != "amx",
     )
     log.info(chosen.describe())
     return chosen

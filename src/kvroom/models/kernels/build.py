@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 4
+ABI_VERSION = 5
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _FLAGS += ["-std=c++17"]
 
@@ -95,6 +95,8 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_add_rms_norm.restype = i32
     lib.kvroom_panel_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i64]
     lib.kvroom_panel_gemm.restype = i32
+    lib.kvroom_panel_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i64]
+    lib.kvroom_panel_gemm_bf16.restype = i32
     lib.kvroom_decode_vectorized.argtypes = [i32]
     lib.kvroom_decode_vectorized.restype = i32
     return lib

@@ -163,40 +163,46 @@ PANEL = 32
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
-    """A ``[in, out]`` fp32 weight as ``[out / 32, in, 32]`` column panels for ``panel_gemm``;
-    None where the native GEMM does not apply (not fp32 on CPU, ``out`` not a multiple of 32,
-    no AVX-512 kernels)."""
-    if (
-        w.device.type != "cpu"
-        or w.dtype != torch.float32
-        or w.dim() != 2
-        or w.shape[1] % PANEL
-        or not cpu_kernels().panel_gemm
+    """A ``[in, out]`` fp32 or bf16 weight as ``[out / 32, in, 32]`` column panels (its dtype;
+    bf16 rows hold columns 0, 16, 1, 17, ...) for ``panel_gemm``; None where the native GEMM
+    does not apply (another dtype or device, ``out`` not a multiple of 32, a CPU without the
+    kernel: ``cpu_kernels().panel_gemm``, ``panel_gemm_bf16``)."""
+    if w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % PANEL:
+        return None
+    kernels = cpu_kernels()
+    if not (
+        (w.dtype == torch.float32 and kernels.panel_gemm)
+        or (w.dtype == torch.bfloat16 and kernels.panel_gemm_bf16)
     ):
         return None
     k, n = w.shape
+    if w.dtype == torch.bfloat16:  # columns 0, 16, 1, 17, ...: the kernel's two-vector load
+        return w.view(k, n // PANEL, 2, PANEL // 2).permute(1, 0, 3, 2).reshape(-1, k, PANEL)
     return w.view(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
 
 def panel_gemm(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ W (+ bias)`` for ``panels = pack_panels(W)``; ``x`` fp32 ``[M, in]`` with dense
-    rows. Returns a new ``[M, out]`` fp32 tensor."""
+    """``x @ W (+ bias)`` for ``panels = pack_panels(W)``, computed in fp32 (bf16 weights are
+    widened as they stream, exactly); ``x`` ``[M, in]`` with dense rows. Returns a new
+    ``[M, out]`` tensor of the panels' dtype (bf16: rounded once, from the fp32 result), or of
+    ``x``'s where fp32 panels meet a narrower ``x``."""
     lib = library()
     assert lib is not None
     if x.dtype != torch.float32:
-        return panel_gemm(x.float(), panels, bias).to(x.dtype)
+        return panel_gemm(x.float(), panels, bias).to(x.dtype)  # bf16 panels: a no-op
     p, k, _ = panels.shape
     m = x.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(m, p * PANEL, dtype=torch.float32)
+    y = torch.empty(m, p * PANEL, dtype=panels.dtype)
     if bias is not None:
         bias = bias.float().contiguous()
-    rc = lib.kvroom_panel_gemm(
+    gemm = lib.kvroom_panel_gemm if panels.dtype == torch.float32 else lib.kvroom_panel_gemm_bf16
+    rc = gemm(
         x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
         y.data_ptr(), m, k, p * PANEL,
     )  # fmt: skip
-    assert rc == 0, f"kvroom_panel_gemm returned {rc}"
+    assert rc == 0, f"kvroom panel GEMM ({panels.dtype}) returned {rc}"
     return y
