@@ -730,6 +730,19 @@ void panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias,
 }
 #endif
 
+template <typename W, typename Y>
+int checked_panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias, Y* y,
+                       int64_t M, int K, int64_t N) {
+#if defined(__AVX512F__)
+  if (N % 32 != 0 || reinterpret_cast<uintptr_t>(w) % 64 != 0) return -1;
+  panel_gemm(x, x_stride, w, bias, y, M, K, N);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N;
+  return -1;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -807,14 +820,14 @@ int kvroom_silu_mul(const void* gu, void* out, int dtype, int64_t rows, int64_t 
 // 64-byte aligned. Returns -1 where the CPU has no AVX-512 (the caller keeps oneDNN).
 int kvroom_panel_gemm(const float* x, int64_t x_stride, const float* w, const float* bias,
                       float* y, int64_t M, int K, int64_t N) {
-#if defined(__AVX512F__)
-  if (N % 32 != 0 || reinterpret_cast<uintptr_t>(w) % 64 != 0) return -1;
-  panel_gemm(x, x_stride, w, bias, y, M, K, N);
-  return 0;
-#else
-  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N;
-  return -1;
-#endif
+  return checked_panel_gemm(x, x_stride, w, bias, y, M, K, N);
+}
+
+// The same for bf16 panels (``[N / 32][K][32]``, each row's columns interleaved: 0, 16, 1,
+// 17, ..., 15, 31; see ``wload``) and a bf16 y (x stays fp32, bias fp32).
+int kvroom_panel_gemm_bf16(const float* x, int64_t x_stride, const uint16_t* w,
+                           const float* bias, uint16_t* y, int64_t M, int K, int64_t N) {
+  return checked_panel_gemm(x, x_stride, w, bias, y, M, K, N);
 }
 
 // 1 where the decode kernel takes its AVX-512 path for this head dim (faster than the prefill
@@ -825,20 +838,6 @@ int kvroom_decode_vectorized(int D) {
 #else
   (void)D;
   return 0;
-#endif
-}
-
-// The same for bf16 panels (``[N / 32][K][32]``, each row's columns interleaved: 0, 16, 1,
-// 17, ..., 15, 31; see ``wload``) and a bf16 y (x stays fp32, bias fp32).
-int kvroom_panel_gemm_bf16(const float* x, int64_t x_stride, const uint16_t* w,
-                           const float* bias, uint16_t* y, int64_t M, int K, int64_t N) {
-#if defined(__AVX512F__)
-  if (N % 32 != 0 || reinterpret_cast<uintptr_t>(w) % 64 != 0) return -1;
-  panel_gemm(x, x_stride, w, bias, y, M, K, N);
-  return 0;
-#else
-  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N;
-  return -1;
 #endif
 }
 
