@@ -6,9 +6,9 @@
 SmolLM2-135M's shapes by default (per layer: qkv 576x960, o 576x576, gate/up 576x3072, down
 1536x576; then the 576x49152 LM head), each layer's weights distinct, so a step reads them
 cold as decode does. Per row count, the two take turns for 5 rounds after a warm-up; the
-median step time of each and their ratio are printed. fp32 needs the native kernels and an
-AVX-512 CPU, bf16 an AVX512-BF16 one without AMX (``kvroom.models.kernels``); oneDNN runs bf16
-as its prepacked bf16 GEMM.
+median step time of each and their ratio are printed. Needs the native kernels and an AVX-512
+CPU (bf16: one without AMX; ``kvroom.models.kernels``); oneDNN runs bf16 as its prepacked bf16
+GEMM.
 """
 
 from __future__ import annotations

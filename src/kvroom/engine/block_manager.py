@@ -274,7 +274,7 @@ class BlockManager:
     def grow(self, num_blocks: int) -> None:
         """Add blocks ``[num_total_blocks, num_blocks)`` to the free list (usable at once)."""
         assert num_blocks >= self.num_total_blocks, f"grow({num_blocks}) would shrink"
-        self._free_blocks.extend(range(self.num_total_blocks, num_blocks))  # above all: a heap
+        self._free_blocks.extend(range(self.num_total_blocks, num_blocks))  # all above: heap kept
         self.num_total_blocks = num_blocks
 
     def shrink(self, num_blocks: int) -> Migration:

@@ -11,7 +11,8 @@
 //   lens   [B] keys per sequence
 //   out    [B, H * D] contiguous
 //
-// One work item per (sequence, kv head): its G = H / kvh query heads share every K/V row read.
+// One work item per (sequence, kv head): its G = H / kvh query heads share every K/V row read
+// (the AVX-512 path below takes a whole sequence per item where there are enough of them).
 // Scores are kept (G x len floats), so K and V are each streamed once, softmax is exact
 // (max-subtracted, float32), and the order of sums is fixed: results do not depend on threads.
 #include <cmath>
@@ -570,13 +571,10 @@ template <typename Q, typename KV>
 void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
             int64_t t_stride, const int64_t* lens, Q* out, int B, int H, int KVH, int D,
             int unit_len, float scale, float softcap, int serial_max) {
-  const int items = B * KVH;
 #if defined(__AVX512F__)
-  const bool vector = D == 64 || D == 128 || D == 256;
-#endif
-#if defined(__AVX512F__)
-  if (vector) {  // one item per sequence (all its KV heads: each row read whole, in order)
-    // while there are sequences enough to share out; else one per (sequence, kv head)
+  if (D == 64 || D == 128 || D == 256) {
+    // one item per sequence (all its KV heads: each row read whole, in order) while there are
+    // sequences enough to share out; else one per (sequence, kv head)
     const int per = B >= 4 * omp_get_max_threads() ? KVH : 1, n = B * (KVH / per);
 #pragma omp parallel if (n > serial_max)
     {
@@ -591,14 +589,15 @@ void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables
     return;
   }
 #endif
+  const int items = B * KVH;
 #pragma omp parallel if (items > serial_max)
   {
     std::vector<float> buf;
 #pragma omp for schedule(static)
     for (int it = 0; it < items; ++it) {
       const int b = it / KVH, g = it % KVH;
-        decode_item(q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g, H, KVH, D,
-                    unit_len, scale, softcap, buf);
+      decode_item(q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g, H, KVH, D,
+                  unit_len, scale, softcap, buf);
     }
   }
 }
@@ -621,6 +620,7 @@ constexpr int MR_MAX = 12;  // rows per pass: 24 accumulators of the 32 AVX-512 
 // product and sum is fp32 either way; bf16 panels stream half the bytes. (AVX512-BF16's pair
 // dot product measured 1.3x slower than this at 32 rows on a CPU without AMX: it issues at
 // half the FMA rate.) y is fp32, or bf16 rounded to nearest even as torch rounds.
+
 // One k row of a panel as two vectors of 16 columns. A bf16 panel row holds column c in its
 // 16-bit slot 2c and column 16 + c in slot 2c + 1, so one 64-byte load and two bit operations
 // give both, each bf16 in the high half of an fp32 lane (no shuffle).
@@ -631,7 +631,8 @@ inline void wload(const float* p, __m512& w0, __m512& w1) {
 inline void wload(const uint16_t* p, __m512& w0, __m512& w1) {
   const __m512i v = _mm512_load_si512(p);
   w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  w1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  w1 = _mm512_castsi512_ps(_mm512_and_si512(v, high));
 }
 inline void ystore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void ystore(uint16_t* p, __m512 v) {  // as the scalar ``store`` above, 16 at a time
