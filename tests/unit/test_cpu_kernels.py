@@ -93,9 +93,12 @@ def test_the_vector_decode_path_is_taken_on_avx512_for_common_head_dims() -> Non
 )
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("seqs", [3, 12])  # one item per (sequence, kv head); per sequence
-def test_vector_decode_matches_sdpa_across_units(d, dtype, kv_dtype, tol, softcap, seqs) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (14, 2)])  # groups of 3 and 7 heads
+def test_vector_decode_matches_sdpa_across_units(
+    d, dtype, kv_dtype, tol, softcap, seqs, heads, kv_heads
+) -> None:
     lens = [1 + (i * 7) % 19 for i in range(seqs)]  # unit 4: rows in 1 to 5 units
-    q, cache, group, lens_t = _case(dtype, kv_dtype, heads=9, kv_heads=3, lens=lens, d=d)
+    q, cache, group, lens_t = _case(dtype, kv_dtype, heads, kv_heads, lens=lens, d=d)
     wide = dataclasses.replace(group, mask=group.mask.float())  # the kernel computes in fp32
     ref = attention._decode(q.float(), cache.float(), wide, 0.25, softcap)
     out = ops.decode_attention(q, cache, group.kv_index, lens_t, 0.25, softcap)
