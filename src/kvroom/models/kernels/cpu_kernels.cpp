@@ -410,8 +410,8 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) 
 
 // ---- Paged decode attention on AVX-512: no transposes, K and V read once, in place ----------
 //
-// Same inputs and work items as ``decode`` above, for head dims that are whole 16-float
-// vectors. Per item: each key's G dot products are 16-wide FMAs over the K row as it lies in
+// Same inputs as ``decode`` below, for head dims 64, 128 and 256 (``vector_decode_dim``);
+// an item is a sequence and a run of its KV heads. Per head: each key's G dot products are 16-wide FMAs over the K row as it lies in
 // the pool, then one horizontal sum each; the scores are kept, so the softmax is exact
 // (max-subtracted, float32, vector exp); then the V rows are streamed once into G x D float
 // accumulators, scaled by 1 / sum at the end. The order of sums is fixed per item, so results
@@ -427,6 +427,8 @@ inline __m512 ld16(const uint16_t* p) {
 }
 
 constexpr int PF = 4;  // rows ahead to prefetch
+
+inline bool vector_decode_dim(int D) { return D == 64 || D == 128 || D == 256; }
 
 // acc[0..JB)[0..DV) += w[jj][p] * v_p over the rows p of one sequence's units (V of one kv
 // head at ``vbase``), the accumulators held in registers.
@@ -572,7 +574,7 @@ void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables
             int64_t t_stride, const int64_t* lens, Q* out, int B, int H, int KVH, int D,
             int unit_len, float scale, float softcap, int serial_max) {
 #if defined(__AVX512F__)
-  if (D == 64 || D == 128 || D == 256) {
+  if (vector_decode_dim(D)) {
     // one item per sequence (all its KV heads: each row read whole, in order) while there are
     // sequences enough to share out; else one per (sequence, kv head)
     const int per = B >= 4 * omp_get_max_threads() ? KVH : 1, n = B * (KVH / per);
@@ -635,15 +637,11 @@ inline void wload(const uint16_t* p, __m512& w0, __m512& w1) {
   w1 = _mm512_castsi512_ps(_mm512_and_si512(v, high));
 }
 inline void ystore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void ystore(uint16_t* p, __m512 v) {  // as the scalar ``store`` above, 16 at a time
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i high = _mm512_srli_epi32(bits, 16);
-  const __m512i half = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7fff));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, half), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // NaN stays NaN (quiet)
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+inline void ystore(uint16_t* p, __m512 v) {  // rounded as ``vst`` rounds, 8 at a time
+  float f[16];
+  _mm512_storeu_ps(f, v);
+  vst(p, vld(f));
+  vst(p + 8, vld(f + 8));
 }
 
 // y[0:MR, 0:32] = x[0:MR, :] @ w (+ bias); ``next`` (the thread's next panel, or null) is
@@ -835,7 +833,7 @@ int kvroom_panel_gemm_bf16(const float* x, int64_t x_stride, const uint16_t* w,
 // kernel with one query row), else 0.
 int kvroom_decode_vectorized(int D) {
 #if defined(__AVX512F__)
-  return D == 64 || D == 128 || D == 256;
+  return vector_decode_dim(D);
 #else
   (void)D;
   return 0;
