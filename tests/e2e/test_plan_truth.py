@@ -22,6 +22,14 @@ spec.loader.exec_module(plan_truth)
 pytestmark = [pytest.mark.plan_truth, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def libraries_read_from_disk() -> None:
+    """The benchmark's default (``--page-cache dropped``): a fresh ``pip install`` leaves the
+    libraries in the page cache in large folios, and how many of their pages a process maps
+    then depends on which code it runs (``kvroom.pagecache``)."""
+    plan_truth._drop_library_cache()
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("plan-truth")
