@@ -2,6 +2,8 @@
 that fills every block never exceeds the plan's total, and the plan is at most 3% above it.
 
 Marked ``plan_truth`` (``pytest -m plan_truth`` runs it alone); it is part of the default run.
+Before any test runs, ``tests/conftest.py`` drops the libraries' page cache, as the benchmark
+does by default.
 """
 
 from __future__ import annotations
@@ -20,14 +22,6 @@ sys.modules["plan_truth"] = plan_truth
 spec.loader.exec_module(plan_truth)
 
 pytestmark = [pytest.mark.plan_truth, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def libraries_read_from_disk() -> None:
-    """The benchmark's default (``--page-cache dropped``): a fresh ``pip install`` leaves the
-    libraries in the page cache in large folios, and how many of their pages a process maps
-    then depends on which code it runs (``kvroom.pagecache``)."""
-    plan_truth._drop_library_cache()
 
 
 @pytest.fixture(scope="module")
