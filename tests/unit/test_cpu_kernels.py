@@ -246,6 +246,27 @@ def test_panel_gemm_matches_matmul(rows: int, bias: bool) -> None:
 
 
 @needs_panels
+@pytest.mark.parametrize("columns", [32, 96, 32 * 61])
+def test_panel_gemm_is_one_product_whichever_threads_take_the_panels(columns: int) -> None:
+    """Threads finish their own runs of panels and then take the others' last panels: with
+    more threads than cores (so some wait for a core and others take their panels), and with
+    fewer panels than threads, the product is the one thread's, bit for bit."""
+    gen = torch.Generator().manual_seed(columns)
+    w = ops.pack_panels(torch.randn(160, columns, generator=gen))
+    x = torch.randn(40, 160, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = ops.panel_gemm(x, w)
+        for n in (2, 3, 5):
+            torch.set_num_threads(n)
+            for _ in range(5):
+                assert torch.equal(ops.panel_gemm(x, w), want), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_panels
 def test_panels_hold_each_column_block_as_one_stream() -> None:
     w = torch.arange(64 * 3, dtype=torch.float32).view(3, 64)
     panels = ops.pack_panels(w)

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace {
@@ -713,18 +714,56 @@ inline void panel(const float* x, int64_t x_stride, const W* w, const float* bia
   }
 }
 
+// A contiguous run of panels, [front, back) packed in one word: its thread takes panels from
+// the front, a thread done with its own run takes them from the back.
+class PanelRun {
+ public:
+  void reset(int64_t front, int64_t back) {
+    span_.store(static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back),
+                std::memory_order_relaxed);
+  }
+  int64_t take_front() { return take(true); }
+  int64_t take_back() { return take(false); }
+
+ private:
+  int64_t take(bool front) {  // the panel taken, or -1 once the run is empty
+    uint64_t s = span_.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = s >> 32, b = s & 0xffffffffu;
+      if (f >= b) return -1;
+      const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+      if (span_.compare_exchange_weak(s, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(front ? f : b - 1);
+    }
+  }
+  alignas(64) std::atomic<uint64_t> span_{0};
+};
+
+// Each thread a contiguous run of panels, so its next panel is the one after (fetched while it
+// works on this one). A thread that is through its run takes the last panels of the others:
+// where another process holds one of the cores for a while (a client on the same machine), the
+// thread that kept its core does that core's share instead of waiting for it at the barrier.
 template <typename W, typename Y>
 void panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias, Y* y,
                 int64_t M, int K, int64_t N) {
   const int64_t panels = N / PANEL;
   const int64_t panel_size = static_cast<int64_t>(K) * PANEL;
+  const int team = omp_get_max_threads();
+  std::vector<PanelRun> runs(team);
+  for (int t = 0; t < team; ++t) runs[t].reset(panels * t / team, panels * (t + 1) / team);
+  auto run_panel = [&](int64_t p, int64_t next) {
+    panel(x, x_stride, w + p * panel_size, bias ? bias + p * PANEL : nullptr, M, K,
+          y + p * PANEL, N, next >= 0 && next < panels ? w + next * panel_size : nullptr);
+  };
 #pragma omp parallel
-  {  // each thread a contiguous run of panels, so its next panel is the one after
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t begin = panels * t / threads, end = panels * (t + 1) / threads;
-    for (int64_t p = begin; p < end; ++p)
-      panel(x, x_stride, w + p * panel_size, bias ? bias + p * PANEL : nullptr, M, K,
-            y + p * PANEL, N, p + 1 < end ? w + (p + 1) * panel_size : nullptr);
+  {
+    const int t = omp_get_thread_num();
+    const int64_t end = panels * (t + 1) / team;
+    for (int64_t p; (p = runs[t].take_front()) >= 0;) run_panel(p, p + 1 < end ? p + 1 : -1);
+    for (int i = 1; i <= team; ++i) {  // the others' runs (all, if the team came short)
+      PanelRun& other = runs[(t + i) % team];
+      for (int64_t p; (p = other.take_back()) >= 0;) run_panel(p, p - 1);
+    }
   }
 }
 #endif
