@@ -9,7 +9,7 @@ import torch
 
 from kvroom.models import attention
 from kvroom.models.attention import DecodeGroup
-from kvroom.models.kernels import CpuKernels, cpu_kernels, ops
+from kvroom.models.kernels import CpuKernels, cpu_flags, cpu_kernels, ops
 from kvroom.models.layers import rms_norm
 
 pytestmark = pytest.mark.skipif(not cpu_kernels().native, reason="native kernels not built")
@@ -195,7 +195,12 @@ def _prefill_reference(q, cache, tables, chunks, scale):
         (torch.bfloat16, torch.bfloat16, 2e-2),
     ],
 )
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 8), (6, 2, 24)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"),
+    # AVX-512 path (head dim a multiple of 16): groups of 3, 1, 7 (row vectors 3 + 3 + 1), 4;
+    # the generic path: head dims 8 and 24
+    [(9, 3, 64), (2, 2, 16), (7, 1, 32), (8, 2, 128), (4, 4, 8), (6, 2, 24)],
+)
 def test_prefill_attention_matches_causal_attention(dtype, kv_dtype, atol, heads, kv_heads, d):
     chunks = [(0, 37), (50, 19), (3, 2), (0, 70), (96, 33)]  # fresh and with cached context
     q, cache, tables, chunks = _prefill_case(dtype, kv_dtype, heads, kv_heads, d, chunks)
@@ -354,6 +359,7 @@ def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
     monkeypatch, large
 ) -> None:
     monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
+    monkeypatch.setattr(attention, "_vector_prefill", lambda q: False)
     chunks = [(5, 30), (0, 12), (40, 8)] + ([(20, 180)] if large else [])  # 180 x 200 scores
     q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
     g = _context_group(tables, chunks)
@@ -367,3 +373,29 @@ def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
         assert torch.equal(out, native)
     ref = _prefill_reference(q, cache, tables, chunks, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_prefill_takes_the_native_kernel_where_its_vector_path_applies(monkeypatch, fresh):
+    monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
+    monkeypatch.setattr(attention, "_vector_prefill", lambda q: True)
+    chunks = [(0, 180), (0, 180)] if fresh else [(20, 180), (5, 30)]
+    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
+    g = _context_group(tables, chunks)
+    if fresh:
+        g = dataclasses.replace(g, fresh=True)
+    calls = []
+    kernel = ops.prefill_attention
+    monkeypatch.setattr(
+        attention.native, "prefill_attention", lambda *a: calls.append(1) or kernel(*a)
+    )
+    out = attention._prefill_full(q, None, cache, g, 0.125, None)
+    assert calls == [1]
+    ref = _prefill_reference(q, cache, tables, chunks, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_vector_prefill_is_the_avx512_path_of_head_dims_of_16k() -> None:
+    built = cpu_kernels().native and "avx512f" in cpu_flags()
+    assert ops.prefill_vectorized(64) == built and ops.prefill_vectorized(128) == built
+    assert not ops.prefill_vectorized(24) and not ops.prefill_vectorized(8)

@@ -275,14 +275,12 @@ def _prefill_full(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Full-attention chunks, whose K/V are stored already. Fresh chunks: SDPA over the step's
-    own K/V under its causal mask (torch's flash kernel measured ~20% faster than the native
-    one on a whole prompt). Chunks with cached context: the native kernel reads every key in
-    place from the pool (no gather, no mask tensor), else SDPA over the gathered blocks
-    (``_prefill_chunks``); where SDPA is the faster of the two, small chunks still take the
-    native kernel, which attends all of them in one call."""
+    """Full-attention chunks, whose K/V are stored already: the native kernel reading every
+    key in place from the pool (no gather, no mask tensor) where it is the faster
+    (``_native_prefill``), else SDPA: fresh chunks over the step's own K/V under the causal
+    mask, chunks with cached context over their gathered blocks (``_prefill_chunks``)."""
     in_place = g.starts is not None and g.q_lens is not None and softcap is None
-    if not g.fresh and in_place and (not _sdpa_context_prefill(q) or _small_chunks(g)):
+    if in_place and _native_prefill(q, g):
         out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
         if out is not None:
             return out
@@ -301,6 +299,26 @@ or two calls and a concatenation each), which costs more than the kernel on many
 
 def _small_chunks(g: PrefillGroup) -> bool:
     return all(c.q_len * c.kv_len <= NATIVE_MAX_CHUNK_SCORES for c in g.chunks)
+
+
+def _native_prefill(q: torch.Tensor, g: PrefillGroup) -> bool:
+    """The native kernel's AVX-512 path for this head dim outruns SDPA on fresh chunks and
+    chunks with cached context alike (``_vector_prefill``). Its generic path loses to torch's
+    flash kernel on fresh prompts (~20%) and, on the CPUs that set ``sdpa_context_prefill``, on
+    large chunks with cached context; small ones it still takes, all of them in one call."""
+    if _vector_prefill(q):
+        return True
+    return not g.fresh and (not _sdpa_context_prefill(q) or _small_chunks(g))
+
+
+def _vector_prefill(q: torch.Tensor) -> bool:
+    """This CPU prefills fastest through the native kernel's AVX-512 path, which this head dim
+    takes (``kernels.vector_prefill``, ``ops.prefill_vectorized``)."""
+    return (
+        q.device.type == "cpu"
+        and cpu_kernels().vector_prefill
+        and native.prefill_vectorized(q.shape[-1])
+    )
 
 
 def _sdpa_context_prefill(q: torch.Tensor) -> bool:

@@ -48,6 +48,10 @@ class CpuKernels:
     """Chunks with cached context attend through torch's flash SDPA over gathered blocks (the
     cached keys unmasked, the chunk's own keys causal, merged by log-sum-exp), not the native
     kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
+    vector_prefill: bool = False
+    """Prefill attention, fresh chunks and cached context alike, runs the native kernel's
+    AVX-512 path where the head dim is a multiple of 16 (``ops.prefill_vectorized``): on
+    AVX-512 CPUs without AMX (where there is AMX, SDPA keeps its bf16 tiles)."""
     panel_gemm: bool = False
     """fp32 projections run as the native AVX-512 panel GEMM (``ops.panel_gemm``), not oneDNN."""
     panel_gemm_bf16: bool = False
@@ -55,11 +59,15 @@ class CpuKernels:
     half the bytes of fp32 ones), not oneDNN: on AVX-512 CPUs without AMX, whose tiles oneDNN
     uses."""
 
+    def _prefill(self) -> str:
+        if self.vector_prefill:
+            return "; AVX-512 prefill attention (else SDPA for prefill with cached context)"
+        return "; SDPA for prefill with cached context" if self.sdpa_context_prefill else ""
+
     def describe(self) -> str:
         bf16 = "oneDNN bf16 GEMM" if self.bf16_packed else "fp32 GEMM on widened bf16 weights"
         attn = (
-            "native paged decode and prefill attention, fused SiLU-GLU"
-            + ("; SDPA for prefill with cached context" if self.sdpa_context_prefill else "")
+            "native paged decode and prefill attention, fused SiLU-GLU" + self._prefill()
             if self.native
             else "torch SDPA (no native kernels)"
         )
@@ -94,6 +102,7 @@ def cpu_kernels() -> CpuKernels:
         bf16_packed=packed,
         native=library() is not None,
         sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
+        vector_prefill=library() is not None and isa in ("avx512_bf16", "avx512"),
         panel_gemm=panels and "avx512f" in flags,
         panel_gemm_bf16=panels and "avx512f" in flags and isa != "amx",
     )

@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 5
+ABI_VERSION = 6
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _FLAGS += ["-std=c++17"]
 
@@ -99,6 +99,8 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_panel_gemm_bf16.restype = i32
     lib.kvroom_decode_vectorized.argtypes = [i32]
     lib.kvroom_decode_vectorized.restype = i32
+    lib.kvroom_prefill_vectorized.argtypes = [i32]
+    lib.kvroom_prefill_vectorized.restype = i32
     return lib
 
 

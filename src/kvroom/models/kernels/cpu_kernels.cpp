@@ -118,7 +118,8 @@ void decode_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* t
 // a fresh prompt and a chunk with cached context alike: query at position p sees keys 0..p.
 // Work item = (chunk, kv head, tile of QT positions); its G query heads share every K/V tile.
 // Flash-style: keys in tiles of KT, repacked (K transposed) into a small float buffer, scores
-// by register-blocked FMAs, online softmax in float32, exact order (thread-independent).
+// by register-blocked FMAs, online softmax in float32, exact order (thread-independent). On
+// AVX-512, head dims of 16k take ``prefill_item16`` instead (queries transposed, no repacking).
 
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
@@ -282,10 +283,24 @@ void prefill_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* 
     }
 }
 
+}  // namespace
+extern "C" int kvroom_prefill_vectorized(int D);
+namespace {
+
+#if defined(__AVX512F__)
+template <typename Q, typename KV>
+void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
+                    int64_t start, int64_t row0, int r0, int nr, Q* out, int g,
+                    const PrefillShape& sh, std::vector<float>& buf);
+constexpr int QT16 = 16;  // query positions per work item of the AVX-512 path
+#endif
+
 template <typename Q, typename KV>
 void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
              int64_t t_stride, const int64_t* starts, const int64_t* q_lens, Q* out, int B,
              const PrefillShape& sh) {
+  const bool wide = kvroom_prefill_vectorized(sh.D);  // the AVX-512 path: 16 rows per FMA
+  const int qt = wide ? QT16 : QT;
   struct Item {
     int b, g, r0;
     int64_t row0;
@@ -293,13 +308,15 @@ void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table
   std::vector<Item> items;
   int64_t row0 = 0;
   for (int b = 0; b < B; ++b) {
-    for (int r0 = 0; r0 < q_lens[b]; r0 += QT)
+    for (int r0 = 0; r0 < q_lens[b]; r0 += qt)
       for (int g = 0; g < sh.KVH; ++g) items.push_back({b, g, r0, row0});
     row0 += q_lens[b];
   }
-  // Longest items first (the last tiles of the longest contexts), so the dynamic schedule
-  // ends with short ones.
+  // KV head by KV head, so the threads share one head's K/V rows in cache at a time (1.07-1.10x
+  // after 1,000 cached positions); in each, longest items first (the last tiles of the longest
+  // contexts), so the dynamic schedule ends with short ones.
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
+    if (x.g != y.g) return x.g < y.g;
     return starts[x.b] + x.r0 > starts[y.b] + y.r0;
   });
   const int n = static_cast<int>(items.size());
@@ -309,7 +326,14 @@ void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n; ++i) {
       const Item& it = items[i];
-      const int nr = static_cast<int>(q_lens[it.b] - it.r0 < QT ? q_lens[it.b] - it.r0 : QT);
+      const int nr = static_cast<int>(q_lens[it.b] - it.r0 < qt ? q_lens[it.b] - it.r0 : qt);
+#if defined(__AVX512F__)
+      if (wide) {
+        prefill_item16(q, q_stride, cache, tables + it.b * t_stride, starts[it.b], it.row0,
+                       it.r0, nr, out, it.g, sh, buf);
+        continue;
+      }
+#endif
       prefill_item(q, q_stride, cache, tables + it.b * t_stride, starts[it.b], it.row0, it.r0,
                    nr, out, it.g, sh, buf);
     }
@@ -569,6 +593,179 @@ void decode_item16(int D, const Q* q, int64_t q_stride, const KV* cache, const i
                       softcap, buf);
 }
 #endif
+
+// ---- Prefill attention on AVX-512: queries transposed, keys read in place ----------------
+//
+// One item = (chunk, kv head g, QT16 positions): M = QT16 * G query rows (row m = r * G + j:
+// position r0 + r, head g * G + j), held transposed (qT[d][m]) so that every FMA works on 16
+// rows at once and each key's elements are broadcast straight from its pool row: no transposed
+// copy of K. Keys in tiles of KT16 with an online softmax in float32 (scores transposed too,
+// sT[t][m]); V rows are broadcast the same way into oT[d][m]. Fixed order of sums per item.
+constexpr int KT16 = 64;  // keys per tile
+constexpr int KB16 = 8;   // keys (scores) or dims (values) per register block
+
+inline float bcast(const float* p) { return *p; }
+inline float bcast(const uint16_t* p) { return load(*p); }
+
+// exp(x), 16 at a time: the polynomial of ``vexp`` in AVX-512 (2^n by scalef); x below -87
+// (a masked score's -inf) gives exactly 0
+inline __m512 vexp16(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3333452e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+  const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(seen, _mm512_scalef_ps(y, fx));
+}
+
+// sT[t][mv * 16 ..] = sum_d qT[d][..] * K[t][d] for KB16 keys and MV row vectors
+template <int MV, typename KV>
+inline void scores16(const float* qT, int Mp, const KV* const* rows, int D, float* sT) {
+  const KV* krow[KB16];  // in registers, not re-read through the pointer array
+  for (int t = 0; t < KB16; ++t) krow[t] = rows[t];
+  __m512 acc[KB16][MV];
+  for (int t = 0; t < KB16; ++t)
+    for (int c = 0; c < MV; ++c) acc[t][c] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[MV];
+    for (int c = 0; c < MV; ++c) qv[c] = _mm512_loadu_ps(qT + d * Mp + 16 * c);
+    for (int t = 0; t < KB16; ++t) {
+      const __m512 k = _mm512_set1_ps(bcast(krow[t] + d));
+      for (int c = 0; c < MV; ++c) acc[t][c] = _mm512_fmadd_ps(k, qv[c], acc[t][c]);
+    }
+  }
+  for (int t = 0; t < KB16; ++t)
+    for (int c = 0; c < MV; ++c) _mm512_storeu_ps(sT + t * Mp + 16 * c, acc[t][c]);
+}
+
+// oT[d0 + dd][mv * 16 ..] += sum_t sT[t][..] * V[t][d0 + dd] for KB16 dims and MV row vectors
+template <int MV, typename KV>
+inline void values16(const float* sT, int Mp, const KV* const* vrow, int kn, int d0,
+                     float* oT) {
+  __m512 acc[KB16][MV];
+  for (int dd = 0; dd < KB16; ++dd)
+    for (int c = 0; c < MV; ++c) acc[dd][c] = _mm512_loadu_ps(oT + (d0 + dd) * Mp + 16 * c);
+  for (int t = 0; t < kn; ++t) {
+    __m512 pv[MV];
+    for (int c = 0; c < MV; ++c) pv[c] = _mm512_loadu_ps(sT + t * Mp + 16 * c);
+    for (int dd = 0; dd < KB16; ++dd) {
+      const __m512 v = _mm512_set1_ps(bcast(vrow[t] + d0 + dd));
+      for (int c = 0; c < MV; ++c) acc[dd][c] = _mm512_fmadd_ps(v, pv[c], acc[dd][c]);
+    }
+  }
+  for (int dd = 0; dd < KB16; ++dd)
+    for (int c = 0; c < MV; ++c) _mm512_storeu_ps(oT + (d0 + dd) * Mp + 16 * c, acc[dd][c]);
+}
+
+// the row vectors [v0, v1) in blocks of at most 3 (24 accumulators of the 32 registers)
+template <typename F>
+inline void row_blocks(int v0, int v1, F&& f) {
+  for (int v = v0; v < v1;) {
+    const int n = v1 - v >= 3 ? 3 : v1 - v;
+    f(v, n);
+    v += n;
+  }
+}
+
+template <typename Q, typename KV>
+void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
+                    int64_t start, int64_t row0, int r0, int nr, Q* out, int g,
+                    const PrefillShape& sh, std::vector<float>& buf) {
+  const int H = sh.H, KVH = sh.KVH, D = sh.D, G = H / KVH, M = nr * G;
+  const int MV = (M + 15) / 16, Mp = 16 * MV;  // rows padded to whole vectors
+  buf.resize(static_cast<size_t>(Mp) * (2 * D + KT16 + 3));
+  float* qT = buf.data();      // [D][Mp] queries, scaled
+  float* oT = qT + D * Mp;     // [D][Mp]
+  float* sT = oT + D * Mp;     // [KT16][Mp] scores, then weights
+  float* mx = sT + KT16 * Mp;  // [Mp] running max
+  float* l = mx + Mp;          // [Mp] running sum
+  float* pos = l + Mp;         // [Mp] each row's position (padding rows: the tile's last)
+  const int64_t first = start + r0, nkeys = first + nr;  // keys 0 .. last position of the tile
+  for (int m = 0; m < Mp; ++m) {
+    const int r = m < M ? m / G : nr - 1;
+    pos[m] = static_cast<float>(first + r);
+    mx[m] = -INFINITY;
+    l[m] = 0.f;
+    for (int d = 0; d < D; ++d) {
+      const Q* src = q + (row0 + r0 + r) * q_stride + static_cast<int64_t>(g * G + m % G) * D;
+      qT[d * Mp + m] = m < M ? load(src[d]) * sh.scale : 0.f;
+    }
+  }
+  std::memset(oT, 0, sizeof(float) * D * Mp);
+  const int64_t row = 2LL * KVH * D;
+  const KV* krow[KT16];
+  const KV* vrow[KT16];
+  for (int64_t k0 = 0; k0 < nkeys; k0 += KT16) {
+    const int kn = static_cast<int>(nkeys - k0 < KT16 ? nkeys - k0 : KT16);
+    for (int t = 0; t < KT16; ++t) {  // past kn: the last key again, its scores masked below
+      const int64_t p = k0 + (t < kn ? t : kn - 1);
+      krow[t] = cache + (table[p / sh.unit_len] * sh.unit_len + p % sh.unit_len) * row + g * D;
+      vrow[t] = krow[t] + KVH * D;
+    }
+    const int kb = (kn + KB16 - 1) / KB16 * KB16;
+    for (int t0 = 0; t0 < kb; t0 += KB16)
+      row_blocks(0, MV, [&](int v, int n) {
+        const float* qb = qT + 16 * v;
+        float* sb = sT + t0 * Mp + 16 * v;
+        if (n == 3) scores16<3>(qb, Mp, krow + t0, D, sb);
+        else if (n == 2) scores16<2>(qb, Mp, krow + t0, D, sb);
+        else scores16<1>(qb, Mp, krow + t0, D, sb);
+      });
+    const bool masked = k0 + kn - 1 > first;  // some key may lie after some query
+    for (int c = 0; c < MV; ++c) {
+      const __m512 pc = _mm512_loadu_ps(pos + 16 * c), ninf = _mm512_set1_ps(-INFINITY);
+      __m512 top = ninf;
+      for (int t = 0; t < kn; ++t) {
+        __m512 x = _mm512_loadu_ps(sT + t * Mp + 16 * c);
+        if (masked) {  // key k0 + t hidden from rows at earlier positions
+          const __mmask16 hide =
+              _mm512_cmp_ps_mask(pc, _mm512_set1_ps(static_cast<float>(k0 + t)), _CMP_LT_OQ);
+          x = _mm512_mask_blend_ps(hide, x, ninf);
+          _mm512_storeu_ps(sT + t * Mp + 16 * c, x);
+        }
+        top = _mm512_max_ps(top, x);
+      }
+      const __m512 old = _mm512_loadu_ps(mx + 16 * c);
+      const __m512 best = _mm512_max_ps(old, top);  // finite: key 0 is seen by every row
+      const __m512 alpha = vexp16(_mm512_sub_ps(old, best));  // 0 on the first tile
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < kb; ++t) {
+        const __m512 e = t < kn ? vexp16(_mm512_sub_ps(_mm512_loadu_ps(sT + t * Mp + 16 * c), best))
+                                : _mm512_setzero_ps();
+        _mm512_storeu_ps(sT + t * Mp + 16 * c, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_storeu_ps(l + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * c), alpha, sum));
+      _mm512_storeu_ps(mx + 16 * c, best);
+      if (k0 > 0)
+        for (int d = 0; d < D; ++d)
+          _mm512_storeu_ps(oT + d * Mp + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(oT + d * Mp + 16 * c), alpha));
+    }
+    for (int d0 = 0; d0 < D; d0 += KB16)
+      row_blocks(0, MV, [&](int v, int n) {
+        const float* sb = sT + 16 * v;
+        float* ob = oT + 16 * v;
+        if (n == 3) values16<3>(sb, Mp, vrow, kn, d0, ob);
+        else if (n == 2) values16<2>(sb, Mp, vrow, kn, d0, ob);
+        else values16<1>(sb, Mp, vrow, kn, d0, ob);
+      });
+  }
+  for (int m = 0; m < M; ++m) {
+    const float inv = 1.f / l[m];
+    Q* dst = out + (row0 + r0 + m / G) * static_cast<int64_t>(H) * D +
+             static_cast<int64_t>(g * G + m % G) * D;
+    for (int d = 0; d < D; ++d) store(dst + d, oT[d * Mp + m] * inv);
+  }
+}
 
 template <typename Q, typename KV>
 void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
@@ -879,6 +1076,16 @@ int kvroom_decode_vectorized(int D) {
 #endif
 }
 
-int kvroom_abi_version() { return 5; }
+// 1 where the prefill kernel takes its AVX-512 path for this head dim, else 0.
+int kvroom_prefill_vectorized(int D) {
+#if defined(__AVX512F__)
+  return D % 16 == 0;
+#else
+  (void)D;
+  return 0;
+#endif
+}
+
+int kvroom_abi_version() { return 6; }
 
 }  // extern "C"
