@@ -17,6 +17,17 @@ SERIAL_MAX_ITEMS = 8
 below it the OpenMP fork/join costs more than it saves, and on a shared machine the join may
 wait a whole scheduler slice for the other core."""
 
+SERIAL_MAX_ELEMENTS = 1 << 17
+"""Elements up to which the row-wise kernels (add + RMSNorm, SiLU-GLU) run on one thread. Two
+threads saved little even on a quiet machine (32 rows: the norm over 576 columns 11.1 against
+13.2 us, SiLU-GLU over 1,536 28.6 against 27.2 us), and under a server's load the join waited
+for the other thread to wake: sampled in ``kvroom serve`` at 32 clients, the two took 35% of
+the engine thread's time for about 5% of its work."""
+
+
+def _serial_rows(columns: int) -> int:
+    return max(SERIAL_MAX_ITEMS, SERIAL_MAX_ELEMENTS // max(columns, 1))
+
 
 @cache
 def decode_vectorized(head_dim: int) -> bool:
@@ -144,7 +155,7 @@ def add_rms_norm(
     rc = lib.kvroom_add_rms_norm(
         h.data_ptr(), 0 if delta is None else delta.data_ptr(), y.data_ptr(),
         0 if weight is None else weight.data_ptr(), dt, h.shape[0], h.shape[1], eps,
-        SERIAL_MAX_ITEMS,
+        _serial_rows(h.shape[1]),
     )  # fmt: skip
     assert rc == 0, f"kvroom_add_rms_norm returned {rc}"
     return y
@@ -162,7 +173,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
     assert lib is not None
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype)
-    rc = lib.kvroom_silu_mul(gu.data_ptr(), out.data_ptr(), dt, rows, inter, SERIAL_MAX_ITEMS)
+    serial = _serial_rows(2 * inter)
+    rc = lib.kvroom_silu_mul(gu.data_ptr(), out.data_ptr(), dt, rows, inter, serial)
     assert rc == 0, f"kvroom_silu_mul returned {rc}"
     return out
 
