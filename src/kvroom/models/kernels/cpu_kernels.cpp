@@ -436,11 +436,11 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) 
 // ---- Paged decode attention on AVX-512: no transposes, K and V read once, in place ----------
 //
 // Same inputs as ``decode`` below, for head dims 64, 128 and 256 (``vector_decode_dim``);
-// an item is a sequence and a run of its KV heads. Per head: each key's G dot products are 16-wide FMAs over the K row as it lies in
-// the pool, then one horizontal sum each; the scores are kept, so the softmax is exact
-// (max-subtracted, float32, vector exp); then the V rows are streamed once into G x D float
-// accumulators, scaled by 1 / sum at the end. The order of sums is fixed per item, so results
-// do not depend on threads.
+// an item is a sequence and a run of its KV heads. Per head: each key's G dot products are
+// 16-wide FMAs over the K row as it lies in the pool, then one horizontal sum each; the scores
+// are kept, so the softmax is exact (max-subtracted, float32, vector exp); then the V rows are
+// streamed once into G x D float accumulators, scaled by 1 / sum at the end. The order of
+// sums is fixed per item, so results do not depend on threads.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>

@@ -22,7 +22,7 @@ SERIAL_MAX_ELEMENTS = 1 << 17
 threads saved little even on a quiet machine (32 rows: the norm over 576 columns 11.1 against
 13.2 us, SiLU-GLU over 1,536 28.6 against 27.2 us), and under a server's load the join waited
 for the other thread to wake: sampled in ``kvroom serve`` at 32 clients, the two took 35% of
-the engine thread's time for about 5% of its work."""
+the engine thread's time, where one thread runs them in about 1.5 ms of a 60 ms step."""
 
 
 def _serial_rows(columns: int) -> int:
