@@ -25,7 +25,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     ``plan_truth`` test is to run. A fresh install leaves them cached in large folios, and then
     a process maps more of their pages the more code it runs: the plan, which counts the code
     of every path a deployment can take, came out 3.1-3.6% over a tiny greedy run's peak where
-    the same run after the drop was within 0.9-1.8% (file pages are a third of a tiny
+    the same run after the drop was within 0.9-1.8% (file pages are a third to half of a tiny
     model's process). Before the first test, so the tests that run in this process before the
     plan-truth cases read the libraries back the way the measured processes do."""
     if any(item.get_closest_marker("plan_truth") for item in session.items):

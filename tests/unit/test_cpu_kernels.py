@@ -376,7 +376,7 @@ def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
 
 
 @pytest.mark.parametrize("fresh", [False, True])
-def test_prefill_takes_the_native_kernel_where_its_vector_path_applies(monkeypatch, fresh):
+def test_context_chunks_take_the_vector_path_fresh_ones_sdpa(monkeypatch, fresh) -> None:
     monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
     monkeypatch.setattr(attention, "_vector_prefill", lambda q: True)
     chunks = [(0, 180), (0, 180)] if fresh else [(20, 180), (5, 30)]
@@ -389,8 +389,10 @@ def test_prefill_takes_the_native_kernel_where_its_vector_path_applies(monkeypat
     monkeypatch.setattr(
         attention.native, "prefill_attention", lambda *a: calls.append(1) or kernel(*a)
     )
-    out = attention._prefill_full(q, None, cache, g, 0.125, None)
-    assert calls == [1]
+    # fresh: the step's own K/V rows, which are the pool rows of each table (45 units x 4 = 180)
+    own = cache[tables].reshape(-1, *cache.shape[2:]) if fresh else None
+    out = attention._prefill_full(q, own, cache, g, 0.125, None)
+    assert calls == ([] if fresh else [1])
     ref = _prefill_reference(q, cache, tables, chunks, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 

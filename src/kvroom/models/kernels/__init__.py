@@ -49,9 +49,9 @@ class CpuKernels:
     cached keys unmasked, the chunk's own keys causal, merged by log-sum-exp), not the native
     kernel (whose vector code computes in fp32, slower than oneDNN's GEMM tiles)."""
     vector_prefill: bool = False
-    """Prefill attention, fresh chunks and cached context alike, runs the native kernel's
-    AVX-512 path where the head dim is a multiple of 16 (``ops.prefill_vectorized``): on
-    AVX-512 CPUs without AMX (where there is AMX, SDPA keeps its bf16 tiles)."""
+    """Chunks with cached context run the native kernel's AVX-512 prefill path where the head
+    dim is a multiple of 16 (``ops.prefill_vectorized``): on AVX-512 CPUs without AMX (where
+    there is AMX, SDPA keeps its bf16 tiles)."""
     panel_gemm: bool = False
     """fp32 projections run as the native AVX-512 panel GEMM (``ops.panel_gemm``), not oneDNN."""
     panel_gemm_bf16: bool = False
@@ -61,7 +61,7 @@ class CpuKernels:
 
     def _prefill(self) -> str:
         if self.vector_prefill:
-            return "; AVX-512 prefill attention (else SDPA for prefill with cached context)"
+            return "; AVX-512 attention for prefill with cached context"
         return "; SDPA for prefill with cached context" if self.sdpa_context_prefill else ""
 
     def describe(self) -> str:
