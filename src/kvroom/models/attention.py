@@ -307,7 +307,7 @@ def _native_prefill(q: torch.Tensor, g: PrefillGroup) -> bool:
     every chunk is small (all of them in one call). Fresh chunks keep SDPA: torch's flash kernel
     beats the generic native path by ~20%, and the AVX-512 path, 1.7x faster per fresh chunk,
     left the profiled step shapes below what a run's first prefill steps reached (SmolLM2 fp32,
-    32 x 248-token prompts: plan 1,422 MB, peaks 1,406-1,437 MB over five runs)."""
+    32 x 248-token prompts: plan 1,422 MB, peaks 1,406-1,437 MB over seven runs)."""
     if g.fresh:
         return False
     return _vector_prefill(q) or not _sdpa_context_prefill(q) or _small_chunks(g)
