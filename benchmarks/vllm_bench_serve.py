@@ -53,13 +53,12 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvroom-vllm-bench-"))
-    vllm_flags = ["--engine", "vllm", "--vllm-python", args.vllm_python]
     servers = [("kvroom serve", "kvroom", [])]
     if not args.skip_vllm:
-        vllm = ("vllm serve", "vllm", vllm_flags)
-        servers = [vllm, *servers] if args.vllm_first else [*servers, vllm]
+        vllm_flags = ["--engine", "vllm", "--vllm-python", args.vllm_python]
+        servers.insert(0 if args.vllm_first else 1, ("vllm serve", "vllm", vllm_flags))
     runs = {label: _bench_server(args, work, name, flags) for label, name, flags in servers}
-    results = {label: runs[label] for label in ("kvroom serve", "vllm serve") if label in runs}
+    results = dict(sorted(runs.items()))  # printed kvroom serve first, whichever ran first
     print(f"{'':22s}" + "".join(f"{name:>16s}" for name in results))
     for key in KEYS:
         row = [results[name].get(key) for name in results]

@@ -314,8 +314,8 @@ def _native_prefill(q: torch.Tensor, g: PrefillGroup) -> bool:
 
 
 def _vector_prefill(q: torch.Tensor) -> bool:
-    """This CPU prefills fastest through the native kernel's AVX-512 path, which this head dim
-    takes (``kernels.vector_prefill``, ``ops.prefill_vectorized``)."""
+    """This CPU attends chunks with cached context fastest through the native kernel's AVX-512
+    path, which this head dim takes (``kernels.vector_prefill``, ``ops.prefill_vectorized``)."""
     return (
         q.device.type == "cpu"
         and cpu_kernels().vector_prefill

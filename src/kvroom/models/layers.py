@@ -80,10 +80,9 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     on an AMD 2-core CPU for SmolLM2's 30 layers: 39 ms instead of 87 ms per step at 32 rows).
     bf16 weights become bf16 panels on AVX-512 CPUs without AMX (widened to fp32 in registers
     as they stream; a SmolLM2 decode step at 32 rows took 0.6x its time with oneDNN's bf16
-    GEMM); else
-    they are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to fp32 and
-    packed (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the output to
-    bf16).
+    GEMM); else they are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to
+    fp32 and packed (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the
+    output to bf16).
 
     Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """

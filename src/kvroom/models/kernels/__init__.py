@@ -102,7 +102,7 @@ def cpu_kernels() -> CpuKernels:
         bf16_packed=packed,
         native=library() is not None,
         sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
-        vector_prefill=library() is not None and isa in ("avx512_bf16", "avx512"),
+        vector_prefill=isa in ("avx512_bf16", "avx512"),
         panel_gemm=panels and "avx512f" in flags,
         panel_gemm_bf16=panels and "avx512f" in flags and isa != "amx",
     )

@@ -283,9 +283,15 @@ void prefill_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* 
     }
 }
 
-}  // namespace
-extern "C" int kvroom_prefill_vectorized(int D);
-namespace {
+// the AVX-512 prefill path (``prefill_item16``) takes head dims of whole 16-float vectors
+inline bool vector_prefill_dim(int D) {
+#if defined(__AVX512F__)
+  return D % 16 == 0;
+#else
+  (void)D;
+  return false;
+#endif
+}
 
 #if defined(__AVX512F__)
 template <typename Q, typename KV>
@@ -299,7 +305,7 @@ template <typename Q, typename KV>
 void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
              int64_t t_stride, const int64_t* starts, const int64_t* q_lens, Q* out, int B,
              const PrefillShape& sh) {
-  const bool wide = kvroom_prefill_vectorized(sh.D);  // the AVX-512 path: 16 rows per FMA
+  const bool wide = vector_prefill_dim(sh.D);  // the AVX-512 path: 16 rows per FMA
   const int qt = wide ? QT16 : QT;
   struct Item {
     int b, g, r0;
@@ -604,9 +610,6 @@ void decode_item16(int D, const Q* q, int64_t q_stride, const KV* cache, const i
 constexpr int KT16 = 64;  // keys per tile
 constexpr int KB16 = 8;   // keys (scores) or dims (values) per register block
 
-inline float bcast(const float* p) { return *p; }
-inline float bcast(const uint16_t* p) { return load(*p); }
-
 // exp(x), 16 at a time: the polynomial of ``vexp`` in AVX-512 (2^n by scalef); x below -87
 // (a masked score's -inf) gives exactly 0
 inline __m512 vexp16(__m512 x) {
@@ -638,7 +641,7 @@ inline void scores16(const float* qT, int Mp, const KV* const* rows, int D, floa
     __m512 qv[MV];
     for (int c = 0; c < MV; ++c) qv[c] = _mm512_loadu_ps(qT + d * Mp + 16 * c);
     for (int t = 0; t < KB16; ++t) {
-      const __m512 k = _mm512_set1_ps(bcast(krow[t] + d));
+      const __m512 k = _mm512_set1_ps(load(krow[t][d]));
       for (int c = 0; c < MV; ++c) acc[t][c] = _mm512_fmadd_ps(k, qv[c], acc[t][c]);
     }
   }
@@ -657,7 +660,7 @@ inline void values16(const float* sT, int Mp, const KV* const* vrow, int kn, int
     __m512 pv[MV];
     for (int c = 0; c < MV; ++c) pv[c] = _mm512_loadu_ps(sT + t * Mp + 16 * c);
     for (int dd = 0; dd < KB16; ++dd) {
-      const __m512 v = _mm512_set1_ps(bcast(vrow[t] + d0 + dd));
+      const __m512 v = _mm512_set1_ps(load(vrow[t][d0 + dd]));
       for (int c = 0; c < MV; ++c) acc[dd][c] = _mm512_fmadd_ps(v, pv[c], acc[dd][c]);
     }
   }
@@ -1077,14 +1080,7 @@ int kvroom_decode_vectorized(int D) {
 }
 
 // 1 where the prefill kernel takes its AVX-512 path for this head dim, else 0.
-int kvroom_prefill_vectorized(int D) {
-#if defined(__AVX512F__)
-  return D % 16 == 0;
-#else
-  (void)D;
-  return 0;
-#endif
-}
+int kvroom_prefill_vectorized(int D) { return vector_prefill_dim(D); }
 
 int kvroom_abi_version() { return 6; }
 
