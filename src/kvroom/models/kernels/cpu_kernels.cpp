@@ -845,30 +845,24 @@ inline void ystore(uint16_t* p, __m512 v) {  // rounded as ``vst`` rounds, 8 at 
   vst(p + 8, vld(f + 8));
 }
 
-// y[0:MR, 0:32] = x[0:MR, :] @ w (+ bias); ``next`` (the thread's next panel, or null) is
-// fetched into L2 meanwhile, so its first pass finds it there rather than in DRAM: every line
-// of each k row where rate is 0 (one pass), else one line per k, line (lead + k * rate) >> 16.
-template <int MR, typename W, typename Y>
-inline void panel_rows(const float* x, int64_t x_stride, const W* w, const float* bias, int K,
-                       Y* y, int64_t y_stride, const W* next, int64_t lead, int64_t rate) {
+enum class Fetch { none, whole, spread };  // how the next panel is fetched (panel_rows)
+
+// The k loop of ``panel_rows``, one per way of fetching the next panel: no branch per k for it,
+// and the registers it held are free. With both lines of an fp32 row fetched into L1 (the
+// first only, before), 1.04-1.09x at 32 to 512 rows in fp32; bf16 rows are one line, unchanged.
+template <int MR, Fetch F, typename W>
+inline void k_loop(const float* x, int64_t x_stride, const W* w, int K, const W* next,
+                   int64_t lead, int64_t rate, __m512 (&lo)[MR], __m512 (&hi)[MR]) {
   constexpr int LINE = 64 / sizeof(W);
-  __m512 lo[MR], hi[MR];
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    lo[m] = b0;
-    hi[m] = b1;
-  }
   for (int k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * PANEL), _MM_HINT_T0);
-    if (next) {
-      if (rate == 0) {
-        for (int i = 0; i < PANEL; i += LINE)
-          _mm_prefetch(reinterpret_cast<const char*>(next + k * PANEL + i), _MM_HINT_T1);
-      } else {
-        _mm_prefetch(reinterpret_cast<const char*>(next + ((lead + k * rate) >> 16) * LINE),
-                     _MM_HINT_T1);
-      }
+    for (int i = 0; i < PANEL; i += LINE)  // this panel's row k + 16 into L1
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * PANEL + i), _MM_HINT_T0);
+    if constexpr (F == Fetch::whole) {
+      for (int i = 0; i < PANEL; i += LINE)
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * PANEL + i), _MM_HINT_T1);
+    } else if constexpr (F == Fetch::spread) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + ((lead + k * rate) >> 16) * LINE),
+                   _MM_HINT_T1);
     }
     __m512 w0, w1;
     wload(w + k * PANEL, w0, w1);
@@ -878,6 +872,27 @@ inline void panel_rows(const float* x, int64_t x_stride, const W* w, const float
       hi[m] = _mm512_fmadd_ps(xv, w1, hi[m]);
     }
   }
+}
+
+// y[0:MR, 0:32] = x[0:MR, :] @ w (+ bias); ``next`` (the thread's next panel, or null) is
+// fetched into L2 meanwhile, so its first pass finds it there rather than in DRAM: every line
+// of each k row where rate is 0 (one pass), else one line per k, line (lead + k * rate) >> 16.
+template <int MR, typename W, typename Y>
+inline void panel_rows(const float* x, int64_t x_stride, const W* w, const float* bias, int K,
+                       Y* y, int64_t y_stride, const W* next, int64_t lead, int64_t rate) {
+  __m512 lo[MR], hi[MR];
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    lo[m] = b0;
+    hi[m] = b1;
+  }
+  if (!next)
+    k_loop<MR, Fetch::none>(x, x_stride, w, K, next, lead, rate, lo, hi);
+  else if (rate == 0)
+    k_loop<MR, Fetch::whole>(x, x_stride, w, K, next, lead, rate, lo, hi);
+  else
+    k_loop<MR, Fetch::spread>(x, x_stride, w, K, next, lead, rate, lo, hi);
   for (int m = 0; m < MR; ++m) {
     ystore(y + m * y_stride, lo[m]);
     ystore(y + m * y_stride + 16, hi[m]);
