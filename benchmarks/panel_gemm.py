@@ -1,26 +1,38 @@
 """The native panel GEMM against oneDNN's prepacked GEMM on one model's projections.
 
 .venv/bin/python benchmarks/panel_gemm.py [--rows 1,8,16,32,64,128,512] [--layers 30]
-    [--dtype float32|bfloat16]
+    [--dtype float32|bfloat16] [--against OTHER.cpp]
 
 SmolLM2-135M's shapes by default (per layer: qkv 576x960, o 576x576, gate/up 576x3072, down
 1536x576; then the 576x49152 LM head), each layer's weights distinct, so a step reads them
-cold as decode does. Per row count, the two take turns for 5 rounds after a warm-up; the
-median step time of each and their ratio are printed. Needs the native kernels and an AVX-512
+cold as decode does. Per row count, the two take turns for ``--rounds`` (5) after a warm-up;
+the median step time of each and their ratio are printed. Needs the native kernels and an AVX-512
 CPU (bf16: one without AMX; ``kvroom.models.kernels``); oneDNN runs bf16 as its prepacked bf16
 GEMM.
+
+``--against OTHER.cpp`` times the panel GEMM of another version of the kernels' source instead
+of oneDNN (built with the same flags into a temporary folder, loaded beside the package's own;
+the two products must be equal), e.g. the last commit's::
+
+    git show HEAD~1:src/kvroom/models/kernels/cpu_kernels.cpp > /tmp/before.cpp
+    .venv/bin/python benchmarks/panel_gemm.py --rows 1,32,512 --against /tmp/before.cpp
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from kvroom.models import layers
 from kvroom.models.kernels import cpu_kernels, ops
+from kvroom.models.kernels.build import build_library
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 HEAD = (576, 49152)
@@ -37,12 +49,52 @@ def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, ro
     return time.perf_counter() - start
 
 
+def library_gemm(lib: ctypes.CDLL) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``ops.panel_gemm`` through ``lib`` (another build of the kernels)."""
+
+    def gemm(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+        x = x.float()  # as ops.panel_gemm: fp32 rows, either weights
+        p, k, _ = panels.shape
+        y = torch.empty(x.shape[0], p * ops.PANEL, dtype=panels.dtype)
+        fn = lib.kvroom_panel_gemm if panels.dtype == torch.float32 else lib.kvroom_panel_gemm_bf16
+        rc = fn(
+            x.data_ptr(), x.stride(0), panels.data_ptr(), 0, y.data_ptr(), x.shape[0], k, y.shape[1]
+        )
+        assert rc == 0, f"the other build's panel GEMM returned {rc}"
+        return y
+
+    return gemm
+
+
+def baseline(args: argparse.Namespace, dense: list[list[torch.Tensor]], tmp: Path) -> tuple:
+    """The GEMM to time the package's against: oneDNN's prepacked, or ``--against``'s build."""
+    if args.against is None:
+        weights = [
+            [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in lay]
+            for lay in dense
+        ]
+        return "oneDNN", weights, layers.matmul
+    lib = build_library(args.against, tmp / "other.so")
+    return (
+        args.against.stem,
+        [[ops.pack_panels(w) for w in lay] for lay in dense],
+        library_gemm(lib),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,16,32,64,128,512")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--against", type=Path, help="another version of cpu_kernels.cpp")
+    parser.add_argument("--rounds", type=int, default=5, help="timed turns of each")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        compare(args, Path(tmp))
+
+
+def compare(args: argparse.Namespace, tmp: Path) -> None:
     dtype = getattr(torch, args.dtype)
     kernels = cpu_kernels()
     if not (kernels.panel_gemm if dtype == torch.float32 else kernels.panel_gemm_bf16):
@@ -53,27 +105,29 @@ def main() -> None:
         for _ in range(args.layers)
     ]
     dense[-1].append((torch.randn(*HEAD) * 0.02).to(dtype))  # the head, after the last layer
-    onednn = [
-        [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None) for w in lay]
-        for lay in dense
-    ]
+    other, other_weights, other_gemm = baseline(args, dense, tmp)
     panels = [[ops.pack_panels(w) for w in lay] for lay in dense]
     dims = [[w.shape[0] for w in lay] for lay in dense]
     flops = 2 * sum(k * n for k, n in SHAPES.values()) * args.layers + 2 * HEAD[0] * HEAD[1]
     print(
-        f"{'rows':>5} {'oneDNN ms':>10} {'panel ms':>9} {'panel/oneDNN':>13} {'panel GFLOP/s':>14}"
+        f"{'rows':>5} {other + ' ms':>12} {'panel ms':>9} {'panel/' + other:>14} "
+        f"{'panel GFLOP/s':>14}"
     )
     for rows in (int(r) for r in args.rows.split(",")):
-        runs = {"onednn": (onednn, layers.matmul), "panel": (panels, ops.panel_gemm)}
+        if args.against is not None:
+            x = torch.randn(rows, dims[0][0]).to(dtype)
+            same = torch.equal(other_gemm(x, other_weights[0][0]), ops.panel_gemm(x, panels[0][0]))
+            assert same, f"{rows} rows: the two builds' products differ"
+        runs = {"other": (other_weights, other_gemm), "panel": (panels, ops.panel_gemm)}
         times: dict[str, list[float]] = {k: [] for k in runs}
-        for r in range(6):
+        for r in range(args.rounds + 1):
             for name, (weights, gemm) in runs.items() if r % 2 else reversed(runs.items()):
                 t = step_time(weights, dims, gemm, rows)
                 if r:
                     times[name].append(t)
-        a, b = statistics.median(times["onednn"]), statistics.median(times["panel"])
+        a, b = statistics.median(times["other"]), statistics.median(times["panel"])
         print(
-            f"{rows:5d} {a * 1e3:10.1f} {b * 1e3:9.1f} {b / a:13.2f} {rows * flops / b / 1e9:14.0f}"
+            f"{rows:5d} {a * 1e3:12.1f} {b * 1e3:9.1f} {b / a:14.2f} {rows * flops / b / 1e9:14.0f}"
         )
 
 

@@ -198,6 +198,35 @@ def matmul_gflops(n: int = 1024, tries: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) that ``pid`` and its descendants have used so far (Linux
+    ``/proc``; 0 where it cannot be read): what an engine burns while the other one runs."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def run_kvroom(llm: LLM, w: dict[str, Any]) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     _, ids = bench_kvroom(llm, w["prompts"], w["max_tokens"])
@@ -213,19 +242,29 @@ def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
     secs: dict[str, dict[str, list[float]]] = {n: {"vllm": [], "kvroom": []} for n in loads}
     ids: dict[str, dict[str, list[list[int]]]] = {n: {} for n in loads}
     gflops: list[float] = []
+    idle_cpu: dict[str, list[float]] = {"vllm_during_kvroom": [], "kvroom_during_vllm": []}
     try:
         ready = peer.result(args.startup_timeout)
         bench_kvroom(llm, loads["batch"]["prompts"][:2], 4)  # warm-up
         bench_kvroom(llm, loads["ttft"]["prompts"][:1], 1)
         for _ in range(args.repeats):
             for name, w in loads.items():
+                own = own_cpu_seconds()
                 seconds, ids[name]["vllm"] = peer.run(name, args.run_timeout)
                 secs[name]["vllm"].append(seconds)
+                idle_cpu["kvroom_during_vllm"].append(own_cpu_seconds() - own)
+                other = tree_cpu_seconds(peer.proc.pid)
                 seconds, ids[name]["kvroom"] = run_kvroom(llm, w)
                 secs[name]["kvroom"].append(seconds)
+                idle_cpu["vllm_during_kvroom"].append(tree_cpu_seconds(peer.proc.pid) - other)
                 v, load = secs[name]["vllm"][-1], os.getloadavg()[0]
                 print(f"  {artifact.name} {name}: vLLM {v:.2f} s, kvroom {seconds:.2f} s", end="")
-                print(f"; load {load:.1f}", flush=True)
+                print(
+                    f"; load {load:.1f}; CPU s of the idle engine: vLLM "
+                    f"{idle_cpu['vllm_during_kvroom'][-1]:.2f}, kvroom "
+                    f"{idle_cpu['kvroom_during_vllm'][-1]:.2f}",
+                    flush=True,
+                )
                 if name == "batch":
                     gflops.append(matmul_gflops())
     finally:
@@ -253,6 +292,7 @@ def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
         "vllm_startup_s": ready["startup_s"],
         "matmul_gflops": gflops,
         "ceiling_tokens_per_s": ceiling,
+        "idle_engine_cpu_s": idle_cpu,
         "workloads": figures,
     }
 

@@ -51,12 +51,12 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, target: Path) -> None:
+def _build(cxx: str, target: Path, source: Path = SOURCE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cxx, *_FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [cxx, *_FLAGS, "-o", tmp, str(source)]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)
     finally:
@@ -102,6 +102,17 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_prefill_vectorized.argtypes = [i32]
     lib.kvroom_prefill_vectorized.restype = i32
     return lib
+
+
+def build_library(source: Path, target: Path) -> ctypes.CDLL:
+    """``source`` (another version of ``cpu_kernels.cpp``) built as the package's own is and
+    loaded, so a benchmark can time two versions of a kernel in one process. Raises where there
+    is no compiler or the build fails."""
+    cxx = _compiler()
+    if cxx is None:
+        raise OSError("no C++ compiler (g++) found")
+    _build(cxx, target, source)
+    return _signature(ctypes.CDLL(str(target)))
 
 
 @cache
