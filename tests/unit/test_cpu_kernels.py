@@ -401,3 +401,28 @@ def test_vector_prefill_is_the_avx512_path_of_head_dims_of_16k() -> None:
     built = cpu_kernels().native and "avx512f" in cpu_flags()
     assert ops.prefill_vectorized(64) == built and ops.prefill_vectorized(128) == built
     assert not ops.prefill_vectorized(24) and not ops.prefill_vectorized(8)
+
+
+@needs_panels
+def test_another_build_of_the_source_loads_beside_the_package_one(tmp_path) -> None:
+    """``build_library`` (``benchmarks/panel_gemm.py --against``): a second build of the source
+    loads in the same process, speaks the same ABI and gives the same product."""
+    from kvroom.models.kernels import build
+
+    other = build.build_library(build.SOURCE, tmp_path / "other.so")
+    assert other.kvroom_abi_version() == build.ABI_VERSION
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 96, generator=gen), torch.randn(20, 64, generator=gen)
+    panels = ops.pack_panels(w)
+    y = torch.empty(20, 96)
+    args = (x.data_ptr(), 64, panels.data_ptr(), 0, y.data_ptr(), 20, 64, 96)
+    assert other.kvroom_panel_gemm(*args) == 0
+    assert torch.equal(y, ops.panel_gemm(x, panels))
+
+
+def test_another_build_needs_a_compiler(tmp_path, monkeypatch) -> None:
+    from kvroom.models.kernels import build
+
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    with pytest.raises(OSError, match="no C\\+\\+ compiler"):
+        build.build_library(build.SOURCE, tmp_path / "other.so")
