@@ -36,6 +36,7 @@ from kvroom.models.kernels.build import build_library
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 HEAD = (576, 49152)
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, rows: int) -> float:
@@ -49,7 +50,7 @@ def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, ro
     return time.perf_counter() - start
 
 
-def library_gemm(lib: ctypes.CDLL) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def library_gemm(lib: ctypes.CDLL) -> Gemm:
     """``ops.panel_gemm`` through ``lib`` (another build of the kernels)."""
 
     def gemm(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,9 @@ def library_gemm(lib: ctypes.CDLL) -> Callable[[torch.Tensor, torch.Tensor], tor
     return gemm
 
 
-def baseline(args: argparse.Namespace, dense: list[list[torch.Tensor]], tmp: Path) -> tuple:
+def baseline(
+    args: argparse.Namespace, dense: list[list[torch.Tensor]], tmp: Path
+) -> tuple[str, list[list[torch.Tensor]], Gemm]:
     """The GEMM to time the package's against: oneDNN's prepacked, or ``--against``'s build."""
     if args.against is None:
         weights = [

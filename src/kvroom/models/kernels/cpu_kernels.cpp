@@ -849,7 +849,8 @@ enum class Fetch { none, whole, spread };  // how the next panel is fetched (pan
 
 // The k loop of ``panel_rows``, one per way of fetching the next panel: no branch per k for it,
 // and the registers it held are free. With both lines of an fp32 row fetched into L1 (the
-// first only, before), 1.04-1.09x at 32 to 512 rows in fp32; bf16 rows are one line, unchanged.
+// first only, before), 1.04-1.09x at 32 to 512 rows in fp32; bf16 rows are one line: no gain at
+// 32-512 rows, 1-6% slower at one row (three runs; the code for one row is the same).
 template <int MR, Fetch F, typename W>
 inline void k_loop(const float* x, int64_t x_stride, const W* w, int K, const W* next,
                    int64_t lead, int64_t rate, __m512 (&lo)[MR], __m512 (&hi)[MR]) {
