@@ -14,14 +14,14 @@ GEMM.
 of oneDNN (built with the same flags into a temporary folder, loaded beside the package's own;
 the two products must be equal), e.g. the last commit's::
 
-    git show HEAD~1:src/kvroom/models/kernels/cpu_kernels.cpp > /tmp/before.cpp
-    .venv/bin/python benchmarks/panel_gemm.py --rows 1,32,512 --against /tmp/before.cpp
+    git show HEAD~1:src/kvroom/models/kernels/cpu_kernels.cpp > /path/to/before.cpp
+    .venv/bin/python benchmarks/panel_gemm.py --rows 1,32,512 --against /path/to/before.cpp
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import statistics
 import tempfile
 import time
@@ -50,23 +50,6 @@ def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, ro
     return time.perf_counter() - start
 
 
-def library_gemm(lib: ctypes.CDLL) -> Gemm:
-    """``ops.panel_gemm`` through ``lib`` (another build of the kernels)."""
-
-    def gemm(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-        x = x.float()  # as ops.panel_gemm: fp32 rows, either weights
-        p, k, _ = panels.shape
-        y = torch.empty(x.shape[0], p * ops.PANEL, dtype=panels.dtype)
-        fn = lib.kvroom_panel_gemm if panels.dtype == torch.float32 else lib.kvroom_panel_gemm_bf16
-        rc = fn(
-            x.data_ptr(), x.stride(0), panels.data_ptr(), 0, y.data_ptr(), x.shape[0], k, y.shape[1]
-        )
-        assert rc == 0, f"the other build's panel GEMM returned {rc}"
-        return y
-
-    return gemm
-
-
 def baseline(
     args: argparse.Namespace, dense: list[list[torch.Tensor]], tmp: Path
 ) -> tuple[str, list[list[torch.Tensor]], Gemm]:
@@ -81,7 +64,7 @@ def baseline(
     return (
         args.against.stem,
         [[ops.pack_panels(w) for w in lay] for lay in dense],
-        library_gemm(lib),
+        functools.partial(ops.panel_gemm, lib=lib),
     )
 
 

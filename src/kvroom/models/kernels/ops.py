@@ -3,6 +3,7 @@ the caller then runs its torch path (``attention.py``, ``layers.py``)."""
 
 from __future__ import annotations
 
+import ctypes
 from functools import cache
 
 import torch
@@ -203,16 +204,20 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def panel_gemm(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """``x @ W (+ bias)`` for ``panels = pack_panels(W)``, computed in fp32 (bf16 weights are
     widened as they stream, exactly); ``x`` ``[M, in]`` with dense rows. Returns a new
     ``[M, out]`` tensor of the panels' dtype (bf16: rounded once, from the fp32 result), or of
-    ``x``'s where fp32 panels meet a narrower ``x``."""
-    lib = library()
+    ``x``'s where fp32 panels meet a narrower ``x``. ``lib``: another build of the kernels
+    (``build.build_library``) instead of the package's."""
+    lib = library() if lib is None else lib
     assert lib is not None
     if x.dtype != torch.float32:
-        return panel_gemm(x.float(), panels, bias).to(x.dtype)  # bf16 panels: a no-op
+        return panel_gemm(x.float(), panels, bias, lib).to(x.dtype)  # bf16 panels: a no-op
     p, k, _ = panels.shape
     m = x.shape[0]
     if x.stride(-1) != 1:
