@@ -414,7 +414,15 @@ def test_another_build_of_the_source_loads_beside_the_package_one(tmp_path) -> N
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(64, 96, generator=gen), torch.randn(20, 64, generator=gen)
     panels = ops.pack_panels(w)
-    assert torch.equal(ops.panel_gemm(x, panels, lib=other), ops.panel_gemm(x, panels))
+    calls = []
+
+    class Spy:  # the other build, seen being called
+        def kvroom_panel_gemm(self, *args):
+            calls.append(args)
+            return other.kvroom_panel_gemm(*args)
+
+    assert torch.equal(ops.panel_gemm(x, panels, lib=Spy()), ops.panel_gemm(x, panels))
+    assert len(calls) == 1
 
 
 def test_another_build_needs_a_compiler(tmp_path, monkeypatch) -> None:
