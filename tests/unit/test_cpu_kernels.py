@@ -335,6 +335,45 @@ def test_fp32_projections_are_prepared_as_panels_and_multiply_the_same() -> None
     torch.testing.assert_close(matmul(x, prepared), x @ w, atol=1e-5, rtol=1e-5)
 
 
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 11, 12, 32, 37, 300])
+def test_panel_glu_is_silu_mul_of_the_gate_up_product_bit_for_bit(dtype, rows) -> None:
+    """The GEMM's SiLU-GLU epilogue rounds as ``silu_mul`` over ``panel_gemm``'s product does,
+    and agrees with torch's silu(gate) * up."""
+    if dtype == torch.bfloat16 and not cpu_kernels().panel_gemm_bf16:
+        pytest.skip("no native bf16 panel GEMM on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(160, 2 * 96, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(rows, 200, generator=gen)[:, 20:180]  # strided rows
+    panels = ops.pack_panels(w)
+    got = ops.panel_glu(x, panels)
+    assert got.shape == (rows, 96) and got.dtype == dtype
+    assert torch.equal(got, ops.silu_mul(ops.panel_gemm(x, panels)))
+    gu = (x.double() @ w.double()).to(dtype).float()
+    want = torch.nn.functional.silu(gu[:, :96]).to(dtype).float() * gu[:, 96:]
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@needs_panels
+def test_silu_projections_take_the_fused_glu_and_others_the_product(monkeypatch) -> None:
+    from kvroom.models.layers import glu, prepare_weight
+
+    w = prepare_weight(torch.randn(48, 128))
+    x = torch.randn(3, 48)
+    calls = []
+    monkeypatch.setattr(ops, "silu_mul", lambda gu: calls.append(gu.shape) or None)
+    silu = glu(x, w, "silu")  # fused: no [3, 128] product for silu_mul
+    assert calls == []
+    gelu = glu(x, w, "gelu_tanh")
+    gu = x @ torch.cat([w[i] for i in range(w.shape[0])], dim=1)
+    want_silu = torch.nn.functional.silu(gu[:, :64]) * gu[:, 64:]
+    want_gelu = torch.nn.functional.gelu(gu[:, :64], approximate="tanh") * gu[:, 64:]
+    torch.testing.assert_close(silu, want_silu, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gelu, want_gelu, atol=1e-5, rtol=1e-5)
+
+
 def _context_group(tables, chunks) -> attention.PrefillGroup:
     rows = [0]
     for _, n in chunks:

@@ -142,6 +142,8 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
     ``down`` then reads a dense operand (a strided view of ``gate_up``'s output measured ~10%
     slower as a GEMV input on CPU). The caller adds ``down`` straight into the residual.
     """
+    if act == "silu" and gate_up.dim() == 3 and gate_up.shape[0] % 2 == 0:
+        return native.panel_glu(x, gate_up)  # the GEMM's panels: SiLU-GLU in its epilogue
     gu = matmul(x, gate_up)
     if act == "silu" and (fused := native.silu_mul(gu)) is not None:
         return fused

@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 6
+ABI_VERSION = 7
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _FLAGS += ["-std=c++17"]
 
@@ -97,6 +97,9 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_panel_gemm.restype = i32
     lib.kvroom_panel_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i64]
     lib.kvroom_panel_gemm_bf16.restype = i32
+    for glu in (lib.kvroom_panel_glu, lib.kvroom_panel_glu_bf16):
+        glu.argtypes = [ptr, i64, ptr, ptr, i64, i32, i64]
+        glu.restype = i32
     lib.kvroom_decode_vectorized.argtypes = [i32]
     lib.kvroom_decode_vectorized.restype = i32
     lib.kvroom_prefill_vectorized.argtypes = [i32]

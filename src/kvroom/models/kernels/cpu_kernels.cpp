@@ -421,22 +421,23 @@ void add_rms_norm(T* h, const T* delta, T* y, const T* w, int64_t rows, int64_t 
 // out = silu(g) * u per row of gu = [g | u]; bf16 rounds silu(g) before the product, as
 // torch's two ops do.
 template <typename T>
+inline void silu_mul_span(const T* g, const T* u, T* o, int64_t n) {  // o may be u
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    const vf x = vld(g + i);
+    vst(o + i, vrounded<T>(x / (1.0f + vexp(-x))) * vld(u + i));
+  }
+  for (; i < n; ++i) {
+    const float x = load(g[i]);
+    store(o + i, rounded<T>(x / (1.0f + std::exp(-x))) * load(u[i]));
+  }
+}
+
+template <typename T>
 void silu_mul(const T* gu, T* out, int64_t rows, int64_t inter, int serial_max) {
 #pragma omp parallel for schedule(static) if (rows > serial_max)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + r * inter;
-    int64_t i = 0;
-    for (; i + VW <= inter; i += VW) {
-      const vf x = vld(g + i);
-      vst(o + i, vrounded<T>(x / (1.0f + vexp(-x))) * vld(u + i));
-    }
-    for (; i < inter; ++i) {
-      const float x = load(g[i]);
-      store(o + i, rounded<T>(x / (1.0f + std::exp(-x))) * load(u[i]));
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul_span(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);
 }
 
 // ---- Paged decode attention on AVX-512: no transposes, K and V read once, in place ----------
@@ -912,22 +913,48 @@ inline void rows_of(int64_t rows, const float* x, int64_t x_stride, const W* w,
   }
 }
 
-template <typename W, typename Y>
-inline void panel(const float* x, int64_t x_stride, const W* w, const float* bias, int64_t M,
-                  int K, Y* y, int64_t y_stride, const W* next) {
-  const int64_t passes = (M + MR_MAX - 1) / MR_MAX;  // equal passes: 32 rows = 11 + 11 + 10
+// M rows in equal passes of at most MR_MAX (32 rows = 11 + 11 + 10): pass(m, rows, lead, rate)
+// for each, where (lead, rate) spread the fetch of the next panel over all passes (rate: lines
+// per k, 16.16 fixed point): 1.2x at 32 and 64 rows against fetching it all in the first pass,
+// whose burst outran what memory delivers while the later passes fetched nothing.
+template <typename W, typename Pass>
+inline void passes_of(int64_t M, int K, Pass&& pass) {
+  const int64_t passes = (M + MR_MAX - 1) / MR_MAX;
   const int64_t lines = K * PANEL * static_cast<int64_t>(sizeof(W)) / 64;
-  // the next panel's lines, fetched evenly over all passes (rate: lines per k, 16.16 fixed
-  // point): 1.2x at 32 and 64 rows against fetching it all in the first pass, whose burst
-  // outran what memory delivers while the later passes fetched nothing
   const int64_t rate = passes > 1 ? (lines << 16) / (passes * K) : 0;
   int64_t m = 0;
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t rows = (M - m) / (passes - p);
-    rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, bias, K, y + m * y_stride, y_stride,
-                    next, p * K * rate, rate);
+    pass(m, rows, p * K * rate, rate);
     m += rows;
   }
+}
+
+template <typename W, typename Y>
+inline void panel(const float* x, int64_t x_stride, const W* w, const float* bias, int64_t M,
+                  int K, Y* y, int64_t y_stride, const W* next) {
+  passes_of<W>(M, K, [&](int64_t m, int64_t rows, int64_t lead, int64_t rate) {
+    rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, bias, K,
+                    y + m * y_stride, y_stride, next, lead, rate);
+  });
+}
+
+// y[:, 32p : 32p + 32] = silu(x @ gate panel p) * (x @ up panel p): per pass, the gate block
+// goes to a buffer, the up block to y, and ``silu_mul_span`` combines them there while both are
+// in L1, rounded as gate_up's output then ``silu_mul`` would round them. The [M, 2I] product
+// is never written, and the step has one parallel region where it had two.
+template <typename W, typename Y>
+inline void glu_panel(const float* x, int64_t x_stride, const W* gate, const W* up, int64_t M,
+                      int K, Y* y, int64_t y_stride, const W* next_gate, const W* next_up) {
+  Y g[MR_MAX * PANEL];
+  passes_of<W>(M, K, [&](int64_t m, int64_t rows, int64_t lead, int64_t rate) {
+    const float* xm = x + m * x_stride;
+    Y* ym = y + m * y_stride;
+    rows_of<MR_MAX>(rows, xm, x_stride, gate, nullptr, K, g, PANEL, next_gate, lead, rate);
+    rows_of<MR_MAX>(rows, xm, x_stride, up, nullptr, K, ym, y_stride, next_up, lead, rate);
+    for (int64_t r = 0; r < rows; ++r)
+      silu_mul_span(g + r * PANEL, ym + r * y_stride, ym + r * y_stride, PANEL);
+  });
 }
 
 // A contiguous run of panels, [front, back) packed in one word: its thread takes panels from
@@ -959,18 +986,11 @@ class PanelRun {
 // works on this one). A thread that is through its run takes the last panels of the others:
 // where another process holds one of the cores for a while (a client on the same machine), the
 // thread that kept its core does that core's share instead of waiting for it at the barrier.
-template <typename W, typename Y>
-void panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias, Y* y,
-                int64_t M, int K, int64_t N) {
-  const int64_t panels = N / PANEL;
-  const int64_t panel_size = static_cast<int64_t>(K) * PANEL;
+template <typename F>
+void share_panels(int64_t panels, F&& run_panel) {  // run_panel(p, next panel or -1)
   const int team = omp_get_max_threads();
   std::vector<PanelRun> runs(team);
   for (int t = 0; t < team; ++t) runs[t].reset(panels * t / team, panels * (t + 1) / team);
-  auto run_panel = [&](int64_t p, int64_t next) {
-    panel(x, x_stride, w + p * panel_size, bias ? bias + p * PANEL : nullptr, M, K,
-          y + p * PANEL, N, next >= 0 && next < panels ? w + next * panel_size : nullptr);
-  };
 #pragma omp parallel
   {
     const int t = omp_get_thread_num();
@@ -981,6 +1001,28 @@ void panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias,
       for (int64_t p; (p = other.take_back()) >= 0;) run_panel(p, p - 1);
     }
   }
+}
+
+template <typename W, typename Y>
+void panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias, Y* y,
+                int64_t M, int K, int64_t N) {
+  const int64_t panel_size = static_cast<int64_t>(K) * PANEL;
+  share_panels(N / PANEL, [&](int64_t p, int64_t next) {
+    panel(x, x_stride, w + p * panel_size, bias ? bias + p * PANEL : nullptr, M, K,
+          y + p * PANEL, N, next >= 0 ? w + next * panel_size : nullptr);
+  });
+}
+
+// y[M, I] = silu(x @ W[:, :I]) * (x @ W[:, I:]) for gate_up's 2I / 32 panels, I = N.
+template <typename W, typename Y>
+void panel_glu(const float* x, int64_t x_stride, const W* w, Y* y, int64_t M, int K,
+               int64_t N) {
+  const int64_t panel_size = static_cast<int64_t>(K) * PANEL, up = N / PANEL * panel_size;
+  share_panels(N / PANEL, [&](int64_t p, int64_t next) {
+    const W* g = w + p * panel_size;
+    const W* ng = next >= 0 ? w + next * panel_size : nullptr;
+    glu_panel(x, x_stride, g, g + up, M, K, y + p * PANEL, N, ng, ng ? ng + up : nullptr);
+  });
 }
 #endif
 
@@ -993,6 +1035,19 @@ int checked_panel_gemm(const float* x, int64_t x_stride, const W* w, const float
   return 0;
 #else
   (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N;
+  return -1;
+#endif
+}
+
+template <typename W, typename Y>
+int checked_panel_glu(const float* x, int64_t x_stride, const W* w, Y* y, int64_t M, int K,
+                      int64_t N) {
+#if defined(__AVX512F__)
+  if (N % 32 != 0 || reinterpret_cast<uintptr_t>(w) % 64 != 0) return -1;
+  panel_glu(x, x_stride, w, y, M, K, N);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)w, (void)y, (void)M, (void)K, (void)N;
   return -1;
 #endif
 }
@@ -1084,6 +1139,19 @@ int kvroom_panel_gemm_bf16(const float* x, int64_t x_stride, const uint16_t* w,
   return checked_panel_gemm(x, x_stride, w, bias, y, M, K, N);
 }
 
+// y[M, N] = silu(x @ W[:, :N]) * (x @ W[:, N:]) for gate_up's panels (2N columns, gate then
+// up; N a multiple of 32): the SiLU-GLU fused into the GEMM, as ``silu_mul`` over gate_up's
+// product would compute it, bit for bit.
+int kvroom_panel_glu(const float* x, int64_t x_stride, const float* w, float* y, int64_t M,
+                     int K, int64_t N) {
+  return checked_panel_glu(x, x_stride, w, y, M, K, N);
+}
+
+int kvroom_panel_glu_bf16(const float* x, int64_t x_stride, const uint16_t* w, uint16_t* y,
+                          int64_t M, int K, int64_t N) {
+  return checked_panel_glu(x, x_stride, w, y, M, K, N);
+}
+
 // 1 where the decode kernel takes its AVX-512 path for this head dim (faster than the prefill
 // kernel with one query row), else 0.
 int kvroom_decode_vectorized(int D) {
@@ -1098,6 +1166,6 @@ int kvroom_decode_vectorized(int D) {
 // 1 where the prefill kernel takes its AVX-512 path for this head dim, else 0.
 int kvroom_prefill_vectorized(int D) { return vector_prefill_dim(D); }
 
-int kvroom_abi_version() { return 6; }
+int kvroom_abi_version() { return 7; }
 
 }  // extern "C"

@@ -232,3 +232,24 @@ def panel_gemm(
     )  # fmt: skip
     assert rc == 0, f"kvroom panel GEMM ({panels.dtype}) returned {rc}"
     return y
+
+
+def panel_glu(
+    x: torch.Tensor, panels: torch.Tensor, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """``silu(x @ W[:, :I]) * (x @ W[:, I:])`` for ``panels = pack_panels(W)`` of a ``[in, 2I]``
+    gate_up weight (``I`` a multiple of 32): ``silu_mul(panel_gemm(x, panels))`` bit for bit, in
+    one pass that never writes the ``[M, 2I]`` product. Returns a new ``[M, I]`` tensor of the
+    panels' dtype (fp32 panels meeting a narrower ``x``: ``x``'s)."""
+    lib = library() if lib is None else lib
+    assert lib is not None
+    if x.dtype != torch.float32:
+        return panel_glu(x.float(), panels, lib).to(x.dtype)  # bf16 panels: a no-op
+    p, k, _ = panels.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], p // 2 * PANEL, dtype=panels.dtype)
+    glu = lib.kvroom_panel_glu if panels.dtype == torch.float32 else lib.kvroom_panel_glu_bf16
+    rc = glu(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], k, y.shape[1])
+    assert rc == 0, f"kvroom panel GLU ({panels.dtype}) returned {rc}"
+    return y
