@@ -97,9 +97,10 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_panel_gemm.restype = i32
     lib.kvroom_panel_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i64]
     lib.kvroom_panel_gemm_bf16.restype = i32
-    for glu in (lib.kvroom_panel_glu, lib.kvroom_panel_glu_bf16):
-        glu.argtypes = [ptr, i64, ptr, ptr, i64, i32, i64]
-        glu.restype = i32
+    for name in ("kvroom_panel_glu", "kvroom_panel_glu_bf16"):
+        if hasattr(lib, name):  # absent from older sources a benchmark may build (ABI < 7)
+            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, i64, i32, i64]
+            getattr(lib, name).restype = i32
     lib.kvroom_decode_vectorized.argtypes = [i32]
     lib.kvroom_decode_vectorized.restype = i32
     lib.kvroom_prefill_vectorized.argtypes = [i32]

@@ -458,6 +458,14 @@ inline __m512 ld16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+inline void ystore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void ystore(uint16_t* p, __m512 v) {  // rounded as ``vst`` rounds, 8 at a time
+  float f[16];
+  _mm512_storeu_ps(f, v);
+  vst(p, vld(f));
+  vst(p + 8, vld(f + 8));
+}
+
 constexpr int PF = 4;  // rows ahead to prefetch
 
 inline bool vector_decode_dim(int D) { return D == 64 || D == 128 || D == 256; }
@@ -679,6 +687,35 @@ inline void row_blocks(int v0, int v1, F&& f) {
   }
 }
 
+// r[i][j] becomes r[j][i]: 16 x 16 floats transposed in registers (unpacks, then 128-bit lane
+// shuffles), for the queries in and the outputs out of their [D][rows] layout
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  const auto pairs = [](__m512 a, __m512 b, bool hi) {
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_castpd_ps(hi ? _mm512_unpackhi_pd(x, y) : _mm512_unpacklo_pd(x, y));
+  };
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = pairs(t[i], t[i + 2], false);
+    r[i + 1] = pairs(t[i], t[i + 2], true);
+    r[i + 2] = pairs(t[i + 1], t[i + 3], false);
+    r[i + 3] = pairs(t[i + 1], t[i + 3], true);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 template <typename Q, typename KV>
 void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
                     int64_t start, int64_t row0, int r0, int nr, Q* out, int g,
@@ -694,15 +731,22 @@ void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t
   float* pos = l + Mp;         // [Mp] each row's position (padding rows: the tile's last)
   const int64_t first = start + r0, nkeys = first + nr;  // keys 0 .. last position of the tile
   for (int m = 0; m < Mp; ++m) {
-    const int r = m < M ? m / G : nr - 1;
-    pos[m] = static_cast<float>(first + r);
+    pos[m] = static_cast<float>(first + (m < M ? m / G : nr - 1));
     mx[m] = -INFINITY;
     l[m] = 0.f;
-    for (int d = 0; d < D; ++d) {
-      const Q* src = q + (row0 + r0 + r) * q_stride + static_cast<int64_t>(g * G + m % G) * D;
-      qT[d * Mp + m] = m < M ? load(src[d]) * sh.scale : 0.f;
-    }
   }
+  const auto q_row = [&](int m) {  // row m's query: position r0 + m / G, head g * G + m % G
+    return q + (row0 + r0 + m / G) * q_stride + static_cast<int64_t>(g * G + m % G) * D;
+  };
+  const __m512 scale = _mm512_set1_ps(sh.scale);
+  for (int m0 = 0; m0 < Mp; m0 += 16)
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_mul_ps(ld16(q_row(m0 + i) + d0), scale) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(qT + (d0 + i) * Mp + m0, r[i]);
+    }
   std::memset(oT, 0, sizeof(float) * D * Mp);
   const int64_t row = 2LL * KVH * D;
   const KV* krow[KT16];
@@ -763,11 +807,19 @@ void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t
         else values16<1>(sb, Mp, vrow, kn, d0, ob);
       });
   }
-  for (int m = 0; m < M; ++m) {
-    const float inv = 1.f / l[m];
-    Q* dst = out + (row0 + r0 + m / G) * static_cast<int64_t>(H) * D +
-             static_cast<int64_t>(g * G + m % G) * D;
-    for (int d = 0; d < D; ++d) store(dst + d, oT[d * Mp + m] * inv);
+  for (int m0 = 0; m0 < M; m0 += 16) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(l + m0));
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(_mm512_loadu_ps(oT + (d0 + i) * Mp + m0), inv);
+      transpose16(r);
+      for (int i = 0; i < 16 && m0 + i < M; ++i) {
+        const int m = m0 + i;
+        ystore(out + (row0 + r0 + m / G) * static_cast<int64_t>(H) * D +
+                   static_cast<int64_t>(g * G + m % G) * D + d0,
+               r[i]);
+      }
+    }
   }
 }
 
@@ -837,13 +889,6 @@ inline void wload(const uint16_t* p, __m512& w0, __m512& w1) {
   w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   w1 = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-}
-inline void ystore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void ystore(uint16_t* p, __m512 v) {  // rounded as ``vst`` rounds, 8 at a time
-  float f[16];
-  _mm512_storeu_ps(f, v);
-  vst(p, vld(f));
-  vst(p + 8, vld(f + 8));
 }
 
 enum class Fetch { none, whole, spread };  // how the next panel is fetched (panel_rows)
