@@ -337,6 +337,26 @@ def test_fp32_projections_are_prepared_as_panels_and_multiply_the_same() -> None
 
 @needs_panels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_into_out_adds_the_rounded_product(dtype, rows, bias) -> None:
+    """``out=`` adds the product into strided rows in place, as ``out.add_(product)`` would."""
+    if dtype == torch.bfloat16 and not cpu_kernels().panel_gemm_bf16:
+        pytest.skip("no native bf16 panel GEMM on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    panels = ops.pack_panels((torch.randn(160, 64, generator=gen) * 0.1).to(dtype))
+    x = torch.randn(rows, 160, generator=gen)
+    b = torch.randn(64, generator=gen) if bias else None
+    wide = torch.randn(rows, 100, generator=gen).to(dtype)
+    h, before = wide[:, 30:94], wide.clone()
+    want = h.clone().add_(ops.panel_gemm(x, panels, b))
+    assert ops.panel_gemm(x, panels, b, out=h).data_ptr() == h.data_ptr()
+    assert torch.equal(h, want)
+    assert torch.equal(wide[:, :30], before[:, :30]) and torch.equal(wide[:, 94:], before[:, 94:])
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 11, 12, 32, 37, 300])
 def test_panel_glu_is_silu_mul_of_the_gate_up_product_bit_for_bit(dtype, rows) -> None:
     """The GEMM's SiLU-GLU epilogue rounds as ``silu_mul`` over ``panel_gemm``'s product does,

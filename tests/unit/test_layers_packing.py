@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kvroom.models.layers import (
+    add_mlp_,
     glu,
     matmul,
     mlp,
@@ -54,3 +55,19 @@ def test_mlp_in_row_chunks_equals_the_whole_chunk(rows: int) -> None:
     down = prepare_weight(torch.randn(24, 16))
     whole = matmul(glu(x, gate_up, "silu"), down)
     torch.testing.assert_close(mlp(x, gate_up, down, "silu"), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 513])
+@pytest.mark.parametrize(("hidden", "inter"), [(64, 96), (16, 24)])  # native panels, oneDNN
+def test_add_mlp_adds_into_the_residual_as_add_of_mlp_does(dtype, rows, hidden, inter) -> None:
+    """The down projection adds into ``h`` in the GEMM's epilogue where the weights are panels,
+    rounded as ``h.add_(mlp(...))`` rounds: the same residual, bit for bit."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    gate_up = prepare_weight((torch.randn(hidden, 2 * inter, generator=gen) * 0.2).to(dtype))
+    down = prepare_weight((torch.randn(inter, hidden, generator=gen) * 0.2).to(dtype))
+    h = torch.randn(rows, hidden, generator=gen).to(dtype)
+    want = h.clone().add_(mlp(x, gate_up, down, "silu"))
+    add_mlp_(h, x, gate_up, down, "silu")
+    assert torch.equal(h, want)

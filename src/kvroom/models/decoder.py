@@ -33,11 +33,11 @@ from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models.attention import AttentionMetadata, KindBatch, paged_attention
 from kvroom.models.layers import (
+    add_mlp_,
     add_rms_norm,
     apply_rope_,
     is_packed,
     matmul,
-    mlp,
     prepare_weight,
     rms_norm,
     rope_cis,
@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         x = self.attention(add_rms_norm(h, None, self.eps, self.eps_value), cis, cache, batch)
         x = add_rms_norm(h, matmul(x, self.o_proj, self.o_bias), self.eps, self.eps_value)
-        h.add_(mlp(x, self.gate_up, self.down, self.cfg.act))
+        add_mlp_(h, x, self.gate_up, self.down, self.cfg.act)
 
     def attention(
         self, x: torch.Tensor, cis: torch.Tensor, cache: torch.Tensor, batch: KindBatch

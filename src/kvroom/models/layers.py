@@ -135,6 +135,15 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
+def matmul_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``out += x @ w`` for a ``prepare_weight`` weight, the product rounded to ``out``'s dtype
+    first as ``out.add_(matmul(x, w))`` rounds it; in the native GEMM's epilogue where it runs."""
+    if w.dim() == 3 and out.dtype == w.dtype and out.stride(-1) == 1:
+        native.panel_gemm(x, w, out=out)
+    else:
+        out.add_(matmul(x, w))
+
+
 def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """``act(gate(x)) * up(x)``, gate and up fused into one ``[hidden, 2I]`` matmul.
 
@@ -161,20 +170,33 @@ places them. 256 rows hold 4.5 MB of it and keep the GEMMs about as efficient as
 chunks (a 2,048-token prefill took 1.01x the time of 512-row passes)."""
 
 
+def _row_parts(rows: int) -> list[slice]:
+    """``rows`` in equal parts of at most ``MLP_CHUNK_ROWS`` (fewer GEMM shapes to cache)."""
+    size = rows if rows <= MLP_CHUNK_ROWS else -(-rows // -(-rows // MLP_CHUNK_ROWS))
+    return [slice(start, start + size) for start in range(0, rows, size)]
+
+
 def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
-    """``down(glu(x))``, ``MLP_CHUNK_ROWS`` rows at a time."""
-    rows = x.shape[0]
-    if rows <= MLP_CHUNK_ROWS:
-        return matmul(glu(x, gate_up, act), down)
-    size = -(-rows // -(-rows // MLP_CHUNK_ROWS))  # equal parts: fewer GEMM shapes to cache
-    first = matmul(glu(x[:size], gate_up, act), down)
-    out = first.new_empty(rows, first.shape[1])
-    out[:size].copy_(first)
-    del first
-    for start in range(size, rows, size):
-        part = slice(start, start + size)
-        out[part].copy_(matmul(glu(x[part], gate_up, act), down))
+    """``down(glu(x))`` as a new tensor, ``MLP_CHUNK_ROWS`` rows at a time."""
+    first, *rest = _row_parts(x.shape[0])
+    part = matmul(glu(x[first], gate_up, act), down)
+    if not rest:
+        return part
+    out = part.new_empty(x.shape[0], part.shape[1])
+    out[first].copy_(part)
+    del part
+    for rows in rest:
+        out[rows].copy_(matmul(glu(x[rows], gate_up, act), down))
     return out
+
+
+def add_mlp_(
+    h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
+) -> None:
+    """``h += down(glu(x))``, ``MLP_CHUNK_ROWS`` rows at a time; the native GEMM adds ``down``'s
+    product into ``h`` itself (no output to copy, no separate add)."""
+    for rows in _row_parts(x.shape[0]):
+        matmul_add_(h[rows], glu(x[rows], gate_up, act), down)
 
 
 def rope_permutation(head_dim: int) -> torch.Tensor:

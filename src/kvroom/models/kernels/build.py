@@ -93,14 +93,12 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_silu_mul.restype = i32
     lib.kvroom_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i32, i64, i64, f32, i32]
     lib.kvroom_add_rms_norm.restype = i32
-    lib.kvroom_panel_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i64]
-    lib.kvroom_panel_gemm.restype = i32
-    lib.kvroom_panel_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i32, i64]
-    lib.kvroom_panel_gemm_bf16.restype = i32
-    for name in ("kvroom_panel_glu", "kvroom_panel_glu_bf16"):
-        if hasattr(lib, name):  # absent from older sources a benchmark may build (ABI < 7)
-            getattr(lib, name).argtypes = [ptr, i64, ptr, ptr, i64, i32, i64]
-            getattr(lib, name).restype = i32
+    for gemm in (lib.kvroom_panel_gemm, lib.kvroom_panel_gemm_bf16):
+        gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i32, i64, i32]
+        gemm.restype = i32
+    for glu in (lib.kvroom_panel_glu, lib.kvroom_panel_glu_bf16):
+        glu.argtypes = [ptr, i64, ptr, ptr, i64, i32, i64]
+        glu.restype = i32
     lib.kvroom_decode_vectorized.argtypes = [i32]
     lib.kvroom_decode_vectorized.restype = i32
     lib.kvroom_prefill_vectorized.argtypes = [i32]
@@ -111,12 +109,15 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
 def build_library(source: Path, target: Path) -> ctypes.CDLL:
     """``source`` (another version of ``cpu_kernels.cpp``) built as the package's own is and
     loaded, so a benchmark can time two versions of a kernel in one process. Raises where there
-    is no compiler or the build fails."""
+    is no compiler, the build fails, or the source has another ABI (its entry points differ)."""
     cxx = _compiler()
     if cxx is None:
         raise OSError("no C++ compiler (g++) found")
     _build(cxx, target, source)
-    return _signature(ctypes.CDLL(str(target)))
+    lib = ctypes.CDLL(str(target))
+    if lib.kvroom_abi_version() != ABI_VERSION:
+        raise OSError(f"{source}: kernels ABI {lib.kvroom_abi_version()}, expected {ABI_VERSION}")
+    return _signature(lib)
 
 
 @cache

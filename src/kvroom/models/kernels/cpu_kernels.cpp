@@ -465,6 +465,16 @@ inline void ystore(uint16_t* p, __m512 v) {  // rounded as ``vst`` rounds, 8 at 
   vst(p, vld(f));
   vst(p + 8, vld(f + 8));
 }
+template <typename Y>
+inline __m512 yrounded(__m512 v) {  // v as a Y would hold it
+  if constexpr (sizeof(Y) == 4) {
+    return v;
+  } else {
+    uint16_t h[16];
+    ystore(h, v);
+    return ld16(h);
+  }
+}
 
 constexpr int PF = 4;  // rows ahead to prefetch
 
@@ -945,7 +955,8 @@ inline void k_loop(const float* x, int64_t x_stride, const W* w, int K, const W*
 // of each k row where rate is 0 (one pass), else one line per k, line (lead + k * rate) >> 16.
 template <int MR, typename W, typename Y>
 inline void panel_rows(const float* x, int64_t x_stride, const W* w, const float* bias, int K,
-                       Y* y, int64_t y_stride, const W* next, int64_t lead, int64_t rate) {
+                       Y* y, int64_t y_stride, const W* next, int64_t lead, int64_t rate,
+                       bool acc) {
   __m512 lo[MR], hi[MR];
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
@@ -959,6 +970,11 @@ inline void panel_rows(const float* x, int64_t x_stride, const W* w, const float
     k_loop<MR, Fetch::whole>(x, x_stride, w, K, next, lead, rate, lo, hi);
   else
     k_loop<MR, Fetch::spread>(x, x_stride, w, K, next, lead, rate, lo, hi);
+  if (acc)  // y += the product, rounded first as torch's matmul then add_ round it
+    for (int m = 0; m < MR; ++m) {
+      lo[m] = _mm512_add_ps(ld16(y + m * y_stride), yrounded<Y>(lo[m]));
+      hi[m] = _mm512_add_ps(ld16(y + m * y_stride + 16), yrounded<Y>(hi[m]));
+    }
   for (int m = 0; m < MR; ++m) {
     ystore(y + m * y_stride, lo[m]);
     ystore(y + m * y_stride + 16, hi[m]);
@@ -968,12 +984,12 @@ inline void panel_rows(const float* x, int64_t x_stride, const W* w, const float
 template <int MR, typename W, typename Y>
 inline void rows_of(int64_t rows, const float* x, int64_t x_stride, const W* w,
                     const float* bias, int K, Y* y, int64_t y_stride, const W* next,
-                    int64_t lead, int64_t rate) {
+                    int64_t lead, int64_t rate, bool acc = false) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      panel_rows<MR>(x, x_stride, w, bias, K, y, y_stride, next, lead, rate);
+      panel_rows<MR>(x, x_stride, w, bias, K, y, y_stride, next, lead, rate, acc);
     else
-      rows_of<MR - 1>(rows, x, x_stride, w, bias, K, y, y_stride, next, lead, rate);
+      rows_of<MR - 1>(rows, x, x_stride, w, bias, K, y, y_stride, next, lead, rate, acc);
   }
 }
 
@@ -996,10 +1012,10 @@ inline void passes_of(int64_t M, int K, Pass&& pass) {
 
 template <typename W, typename Y>
 inline void panel(const float* x, int64_t x_stride, const W* w, const float* bias, int64_t M,
-                  int K, Y* y, int64_t y_stride, const W* next) {
+                  int K, Y* y, int64_t y_stride, const W* next, bool acc) {
   passes_of<W>(M, K, [&](int64_t m, int64_t rows, int64_t lead, int64_t rate) {
-    rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, bias, K,
-                    y + m * y_stride, y_stride, next, lead, rate);
+    rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, bias, K, y + m * y_stride, y_stride,
+                    next, lead, rate, acc);
   });
 }
 
@@ -1069,11 +1085,11 @@ void share_panels(int64_t panels, F&& run_panel) {  // run_panel(p, next panel o
 
 template <typename W, typename Y>
 void panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias, Y* y,
-                int64_t M, int K, int64_t N) {
+                int64_t y_stride, int64_t M, int K, int64_t N, bool acc) {
   const int64_t panel_size = static_cast<int64_t>(K) * PANEL;
   share_panels(N / PANEL, [&](int64_t p, int64_t next) {
     panel(x, x_stride, w + p * panel_size, bias ? bias + p * PANEL : nullptr, M, K,
-          y + p * PANEL, N, next >= 0 ? w + next * panel_size : nullptr);
+          y + p * PANEL, y_stride, next >= 0 ? w + next * panel_size : nullptr, acc);
   });
 }
 
@@ -1092,13 +1108,14 @@ void panel_glu(const float* x, int64_t x_stride, const W* w, Y* y, int64_t M, in
 
 template <typename W, typename Y>
 int checked_panel_gemm(const float* x, int64_t x_stride, const W* w, const float* bias, Y* y,
-                       int64_t M, int K, int64_t N) {
+                       int64_t y_stride, int64_t M, int K, int64_t N, int accumulate) {
 #if defined(__AVX512F__)
-  if (N % 32 != 0 || reinterpret_cast<uintptr_t>(w) % 64 != 0) return -1;
-  panel_gemm(x, x_stride, w, bias, y, M, K, N);
+  if (N % 32 != 0 || y_stride < N || reinterpret_cast<uintptr_t>(w) % 64 != 0) return -1;
+  panel_gemm(x, x_stride, w, bias, y, y_stride, M, K, N, accumulate != 0);
   return 0;
 #else
-  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N;
+  (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)M, (void)K;
+  (void)N, (void)accumulate;
   return -1;
 #endif
 }
@@ -1189,18 +1206,21 @@ int kvroom_silu_mul(const void* gu, void* out, int dtype, int64_t rows, int64_t 
   return 0;
 }
 
-// y[M, N] = x[M, K] (row stride x_stride) @ panels (+ bias); N a multiple of 32, panels
-// 64-byte aligned. Returns -1 where the CPU has no AVX-512 (the caller keeps oneDNN).
+// y[M, N] = x[M, K] (row stride x_stride) @ panels (+ bias), y's rows y_stride apart; with
+// accumulate, y += that product instead (rounded first, as torch's matmul then add_). N a
+// multiple of 32, panels 64-byte aligned. Returns -1 where the CPU has no AVX-512 (the caller
+// keeps oneDNN).
 int kvroom_panel_gemm(const float* x, int64_t x_stride, const float* w, const float* bias,
-                      float* y, int64_t M, int K, int64_t N) {
-  return checked_panel_gemm(x, x_stride, w, bias, y, M, K, N);
+                      float* y, int64_t y_stride, int64_t M, int K, int64_t N, int accumulate) {
+  return checked_panel_gemm(x, x_stride, w, bias, y, y_stride, M, K, N, accumulate);
 }
 
 // The same for bf16 panels (``[N / 32][K][32]``, each row's columns interleaved: 0, 16, 1,
 // 17, ..., 15, 31; see ``wload``) and a bf16 y (x stays fp32, bias fp32).
 int kvroom_panel_gemm_bf16(const float* x, int64_t x_stride, const uint16_t* w,
-                           const float* bias, uint16_t* y, int64_t M, int K, int64_t N) {
-  return checked_panel_gemm(x, x_stride, w, bias, y, M, K, N);
+                           const float* bias, uint16_t* y, int64_t y_stride, int64_t M, int K,
+                           int64_t N, int accumulate) {
+  return checked_panel_gemm(x, x_stride, w, bias, y, y_stride, M, K, N, accumulate);
 }
 
 // y[M, N] = silu(x @ W[:, :N]) * (x @ W[:, N:]) for gate_up's panels (2N columns, gate then

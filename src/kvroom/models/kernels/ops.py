@@ -208,27 +208,32 @@ def panel_gemm(
     panels: torch.Tensor,
     bias: torch.Tensor | None = None,
     lib: ctypes.CDLL | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W (+ bias)`` for ``panels = pack_panels(W)``, computed in fp32 (bf16 weights are
     widened as they stream, exactly); ``x`` ``[M, in]`` with dense rows. Returns a new
     ``[M, out]`` tensor of the panels' dtype (bf16: rounded once, from the fp32 result), or of
-    ``x``'s where fp32 panels meet a narrower ``x``. ``lib``: another build of the kernels
+    ``x``'s where fp32 panels meet a narrower ``x``. ``out``: add the product into this
+    ``[M, out]`` tensor of the panels' dtype instead (dense rows; the product rounded first, as
+    ``out.add_(x @ W)`` rounds it) and return it. ``lib``: another build of the kernels
     (``build.build_library``) instead of the package's."""
     lib = library() if lib is None else lib
     assert lib is not None
-    if x.dtype != torch.float32:
+    if x.dtype != torch.float32 and out is None:
         return panel_gemm(x.float(), panels, bias, lib).to(x.dtype)  # bf16 panels: a no-op
+    x = x.float()
     p, k, _ = panels.shape
     m = x.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(m, p * PANEL, dtype=panels.dtype)
+    y = torch.empty(m, p * PANEL, dtype=panels.dtype) if out is None else out
+    assert y.dtype == panels.dtype and y.shape == (m, p * PANEL) and y.stride(-1) == 1
     if bias is not None:
         bias = bias.float().contiguous()
     gemm = lib.kvroom_panel_gemm if panels.dtype == torch.float32 else lib.kvroom_panel_gemm_bf16
     rc = gemm(
         x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        y.data_ptr(), m, k, p * PANEL,
+        y.data_ptr(), y.stride(0), m, k, p * PANEL, out is not None,
     )  # fmt: skip
     assert rc == 0, f"kvroom panel GEMM ({panels.dtype}) returned {rc}"
     return y
