@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,7 +61,10 @@ def baseline(
             for lay in dense
         ]
         return "oneDNN", weights, layers.matmul
-    lib = build_library(args.against, tmp / "other.so")
+    try:
+        lib = build_library(args.against, tmp / "other.so")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"--against: {exc}") from None
     return (
         args.against.stem,
         [[ops.pack_panels(w) for w in lay] for lay in dense],
