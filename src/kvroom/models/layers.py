@@ -163,11 +163,12 @@ def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
 
 
 MLP_CHUNK_ROWS = 256
-"""Rows per gate/up + down pass: the ``[T, 2I]`` intermediate of a long prefill chunk would
-otherwise be the step's largest transient (25 MB for 2,048 SmolLM2 tokens in fp32), and the
-larger a step's transients the more their resident footprint varies with where the heap
-places them. 256 rows hold 4.5 MB of it and keep the GEMMs about as efficient as whole
-chunks (a 2,048-token prefill took 1.01x the time of 512-row passes)."""
+"""Rows per gate/up + down pass: the MLP's intermediate of a long prefill chunk (``[T, 2I]``
+where gate_up's product is written, ``[T, I]`` where the native GEMM applies the SiLU-GLU
+itself) would otherwise be the step's largest transient (25 MB and 12.5 MB for 2,048 SmolLM2
+tokens in fp32), and the larger a step's transients the more their resident footprint varies
+with where the heap places them. 256 rows keep it small and the GEMMs about as efficient as
+whole chunks (a 2,048-token prefill took 1.01x the time of 512-row passes)."""
 
 
 def _row_parts(rows: int) -> list[slice]:
