@@ -648,9 +648,11 @@ inline __m512 vexp16(__m512 x) {
   return _mm512_maskz_mov_ps(seen, _mm512_scalef_ps(y, fx));
 }
 
-// sT[t][mv * 16 ..] = sum_d qT[d][..] * K[t][d] for KB16 keys and MV row vectors
+// sT[t][mv * 16 ..] = sum_d qT[d][..] * K[t][d] for KB16 keys and MV row vectors; top[mv * 16
+// ..] = the max of itself and these scores (the tile's max, where no key is masked)
 template <int MV, typename KV>
-inline void scores16(const float* qT, int Mp, const KV* const* rows, int D, float* sT) {
+inline void scores16(const float* qT, int Mp, const KV* const* rows, int D, float* sT,
+                     float* top) {
   const KV* krow[KB16];  // in registers, not re-read through the pointer array
   for (int t = 0; t < KB16; ++t) krow[t] = rows[t];
   __m512 acc[KB16][MV];
@@ -666,15 +668,24 @@ inline void scores16(const float* qT, int Mp, const KV* const* rows, int D, floa
   }
   for (int t = 0; t < KB16; ++t)
     for (int c = 0; c < MV; ++c) _mm512_storeu_ps(sT + t * Mp + 16 * c, acc[t][c]);
+  for (int c = 0; c < MV; ++c) {
+    __m512 m = _mm512_max_ps(_mm512_max_ps(acc[0][c], acc[1][c]), _mm512_max_ps(acc[2][c], acc[3][c]));
+    m = _mm512_max_ps(m, _mm512_max_ps(_mm512_max_ps(acc[4][c], acc[5][c]),
+                                       _mm512_max_ps(acc[6][c], acc[7][c])));
+    _mm512_storeu_ps(top + 16 * c, _mm512_max_ps(_mm512_loadu_ps(top + 16 * c), m));
+  }
 }
 
-// oT[d0 + dd][mv * 16 ..] += sum_t sT[t][..] * V[t][d0 + dd] for KB16 dims and MV row vectors
+// oT[d0 + dd][mv * 16 ..] = oT[..][..] * alpha[..] + sum_t sT[t][..] * V[t][d0 + dd] for KB16
+// dims and MV row vectors (alpha: the online softmax's rescale of what came before)
 template <int MV, typename KV>
 inline void values16(const float* sT, int Mp, const KV* const* vrow, int kn, int d0,
-                     float* oT) {
+                     float* oT, const float* alpha) {
   __m512 acc[KB16][MV];
   for (int dd = 0; dd < KB16; ++dd)
-    for (int c = 0; c < MV; ++c) acc[dd][c] = _mm512_loadu_ps(oT + (d0 + dd) * Mp + 16 * c);
+    for (int c = 0; c < MV; ++c)
+      acc[dd][c] = _mm512_mul_ps(_mm512_loadu_ps(oT + (d0 + dd) * Mp + 16 * c),
+                                 _mm512_loadu_ps(alpha + 16 * c));
   for (int t = 0; t < kn; ++t) {
     __m512 pv[MV];
     for (int c = 0; c < MV; ++c) pv[c] = _mm512_loadu_ps(sT + t * Mp + 16 * c);
@@ -733,14 +744,16 @@ void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t
   const int H = sh.H, KVH = sh.KVH, D = sh.D, G = H / KVH, M = nr * G;
   const int MV = (M + 15) / 16, Mp = 16 * MV;  // rows padded to whole vectors
   constexpr bool widen = sizeof(KV) == 2;  // bf16 K/V: each tile's rows widened once
-  buf.resize(static_cast<size_t>(Mp) * (2 * D + KT16 + 3) + (widen ? 2 * KT16 * D : 0));
+  buf.resize(static_cast<size_t>(Mp) * (2 * D + KT16 + 5) + (widen ? 2 * KT16 * D : 0));
   float* qT = buf.data();      // [D][Mp] queries, scaled
   float* oT = qT + D * Mp;     // [D][Mp]
   float* sT = oT + D * Mp;     // [KT16][Mp] scores, then weights
   float* mx = sT + KT16 * Mp;  // [Mp] running max
   float* l = mx + Mp;          // [Mp] running sum
   float* pos = l + Mp;         // [Mp] each row's position (padding rows: the tile's last)
-  float* kv_tile = pos + Mp;   // bf16: [2][KT16][D] the tile's K, then V rows, as fp32
+  float* tmax = pos + Mp;      // [Mp] the tile's max score per row
+  float* alpha = tmax + Mp;    // [Mp] the rescale of each row's output by this tile
+  float* kv_tile = alpha + Mp; // bf16: [2][KT16][D] the tile's K, then V rows, as fp32
   const int64_t first = start + r0, nkeys = first + nr;  // keys 0 .. last position of the tile
   for (int m = 0; m < Mp; ++m) {
     pos[m] = static_cast<float>(first + (m < M ? m / G : nr - 1));
@@ -788,31 +801,30 @@ void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t
       }
     }
     const int kb = (kn + KB16 - 1) / KB16 * KB16;
-    for (int t0 = 0; t0 < kb; t0 += KB16)
+    std::fill(tmax, tmax + Mp, -INFINITY);
+    for (int t0 = 0; t0 < kb; t0 += KB16)  // keys kn .. kb repeat key kn - 1: the max holds
       row_blocks(0, MV, [&](int v, int n) {
         const float* qb = qT + 16 * v;
         float* sb = sT + t0 * Mp + 16 * v;
-        if (n == 3) scores16<3>(qb, Mp, krow + t0, D, sb);
-        else if (n == 2) scores16<2>(qb, Mp, krow + t0, D, sb);
-        else scores16<1>(qb, Mp, krow + t0, D, sb);
+        if (n == 3) scores16<3>(qb, Mp, krow + t0, D, sb, tmax + 16 * v);
+        else if (n == 2) scores16<2>(qb, Mp, krow + t0, D, sb, tmax + 16 * v);
+        else scores16<1>(qb, Mp, krow + t0, D, sb, tmax + 16 * v);
       });
     const bool masked = k0 + kn - 1 > first;  // some key may lie after some query
     for (int c = 0; c < MV; ++c) {
       const __m512 pc = _mm512_loadu_ps(pos + 16 * c), ninf = _mm512_set1_ps(-INFINITY);
-      __m512 top = ninf;
-      for (int t = 0; t < kn; ++t) {
-        __m512 x = _mm512_loadu_ps(sT + t * Mp + 16 * c);
-        if (masked) {  // key k0 + t hidden from rows at earlier positions
+      __m512 top = masked ? ninf : _mm512_loadu_ps(tmax + 16 * c);
+      if (masked)
+        for (int t = 0; t < kn; ++t) {  // key k0 + t hidden from rows at earlier positions
           const __mmask16 hide =
               _mm512_cmp_ps_mask(pc, _mm512_set1_ps(static_cast<float>(k0 + t)), _CMP_LT_OQ);
-          x = _mm512_mask_blend_ps(hide, x, ninf);
+          const __m512 x = _mm512_mask_blend_ps(hide, _mm512_loadu_ps(sT + t * Mp + 16 * c), ninf);
           _mm512_storeu_ps(sT + t * Mp + 16 * c, x);
+          top = _mm512_max_ps(top, x);
         }
-        top = _mm512_max_ps(top, x);
-      }
       const __m512 old = _mm512_loadu_ps(mx + 16 * c);
       const __m512 best = _mm512_max_ps(old, top);  // finite: key 0 is seen by every row
-      const __m512 alpha = vexp16(_mm512_sub_ps(old, best));  // 0 on the first tile
+      const __m512 rescale = vexp16(_mm512_sub_ps(old, best));  // 0 on the first tile
       __m512 sum = _mm512_setzero_ps();
       for (int t = 0; t < kb; ++t) {
         const __m512 e = t < kn ? vexp16(_mm512_sub_ps(_mm512_loadu_ps(sT + t * Mp + 16 * c), best))
@@ -820,20 +832,18 @@ void prefill_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t
         _mm512_storeu_ps(sT + t * Mp + 16 * c, e);
         sum = _mm512_add_ps(sum, e);
       }
-      _mm512_storeu_ps(l + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * c), alpha, sum));
+      _mm512_storeu_ps(l + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * c), rescale, sum));
       _mm512_storeu_ps(mx + 16 * c, best);
-      if (k0 > 0)
-        for (int d = 0; d < D; ++d)
-          _mm512_storeu_ps(oT + d * Mp + 16 * c,
-                           _mm512_mul_ps(_mm512_loadu_ps(oT + d * Mp + 16 * c), alpha));
+      _mm512_storeu_ps(alpha + 16 * c, rescale);  // applied as values16 loads oT
     }
     for (int d0 = 0; d0 < D; d0 += KB16)
       row_blocks(0, MV, [&](int v, int n) {
         const float* sb = sT + 16 * v;
         float* ob = oT + 16 * v;
-        if (n == 3) values16<3>(sb, Mp, vrow, kn, d0, ob);
-        else if (n == 2) values16<2>(sb, Mp, vrow, kn, d0, ob);
-        else values16<1>(sb, Mp, vrow, kn, d0, ob);
+        const float* ab = alpha + 16 * v;
+        if (n == 3) values16<3>(sb, Mp, vrow, kn, d0, ob, ab);
+        else if (n == 2) values16<2>(sb, Mp, vrow, kn, d0, ob, ab);
+        else values16<1>(sb, Mp, vrow, kn, d0, ob, ab);
       });
   }
   for (int m0 = 0; m0 < M; m0 += 16) {
