@@ -3,6 +3,7 @@
     python benchmarks/prefill_attention.py fresh [--tokens 1500] [--repeats 5]
     python benchmarks/prefill_attention.py context [--chunks 512 1024 2048]
         [--contexts 0 16 500 1000 1500] [--dtypes float32 bfloat16] [--rounds 7]
+        [--against /path/to/other/cpu_kernels.cpp]
     python benchmarks/prefill_attention.py ttft --artifact artifacts/smollm2-135m-float32
         [--rounds 7]
 
@@ -13,7 +14,9 @@ K/V under SDPA's causal mask (``PrefillGroup.fresh``), and the native kernel rea
 ``context``: one chunk after ``start`` cached positions, its keys gathered from the pool: under a
 bottom-right mask tensor in one SDPA call ("masked"), as the cached part unmasked plus the chunk's
 own keys under the causal mask, merged by log-sum-exp ("split", what kvroom runs on CPU), and the
-native kernel. Prints per-call medians and split/masked, native/masked ratios.
+native kernel. Prints per-call medians and split/masked, native/masked ratios. ``--against``
+builds another version of ``cpu_kernels.cpp`` and times its native kernel too ("other"), with
+native/other and the largest difference between the two kernels' outputs.
 
 ``ttft``: ``vllm_peer.py``'s TTFT workload (8 prompts of 1,500 tokens, one greedy token each,
 no prefix caching) through ``kvroom.LLM``, cached-context chunks split vs masked, alternating.
@@ -24,8 +27,11 @@ Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64, block 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +44,7 @@ from kvroom.models import attention
 from kvroom.models.attention import KindBatch, PrefillChunk, PrefillGroup, paged_attention
 from kvroom.models.kernels import cpu_kernels
 from kvroom.models.kernels import ops as native
+from kvroom.models.kernels.build import build_library
 
 TTFT_PROMPTS, TTFT_LEN = 8, 1500  # vllm_peer.py's TTFT workload
 
@@ -53,6 +60,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=7, help="context: timed calls per path")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--against", type=Path, help="context: another cpu_kernels.cpp")
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -67,15 +75,23 @@ def main() -> None:
     if args.mode == "ttft":
         ttft(args)
         return
-    print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.1f}")
-    print(
-        f"{'dtype':<9} {'chunk':>5} {'start':>5}  {'masked':>9} {'split':>9} {'native':>9}", end=""
-    )
-    print(f"  {'split/m':>7} {'native/m':>8}  max|split-masked|")
-    for name in args.dtypes:
-        for q_len in args.chunks:
-            for start in args.contexts:
-                context(args, getattr(torch, name), q_len, start)
+    with tempfile.TemporaryDirectory() as tmp:
+        other = None
+        if args.against is not None:
+            try:
+                other = build_library(args.against, Path(tmp) / "other.so")
+            except (OSError, subprocess.CalledProcessError) as exc:
+                raise SystemExit(f"--against: {exc}") from None
+        print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.1f}")
+        head = f"{'dtype':<9} {'chunk':>5} {'start':>5}  {'masked':>9} {'split':>9} {'native':>9}"
+        head += f"  {'split/m':>7} {'native/m':>8}  max|split-masked|"
+        if other is not None:
+            head += f"  {'other':>9} {'native/other':>12}  max|native-other|"
+        print(head)
+        for name in args.dtypes:
+            for q_len in args.chunks:
+                for start in args.contexts:
+                    context(args, getattr(torch, name), q_len, start, other)
 
 
 def _pool(args: argparse.Namespace, tokens: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,8 +113,15 @@ def _timed(fn: Callable[[], torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def context(args: argparse.Namespace, dtype: torch.dtype, q_len: int, start: int) -> None:
-    """One chunk of ``q_len`` tokens after ``start`` cached ones, the paths alternating."""
+def context(
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    q_len: int,
+    start: int,
+    other: ctypes.CDLL | None = None,
+) -> None:
+    """One chunk of ``q_len`` tokens after ``start`` cached ones, the paths alternating
+    (``other``: another build's native kernel too)."""
     cache = _pool(args, start + q_len, dtype)
     q = torch.randn(q_len, args.heads, args.head_dim).to(dtype)
     table = torch.arange(cache.shape[0])[None]
@@ -116,6 +139,10 @@ def context(args: argparse.Namespace, dtype: torch.dtype, q_len: int, start: int
     starts, q_lens = torch.tensor([start]), torch.tensor([q_len])
     if native.prefill_attention(q, cache, table, starts, q_lens, scale) is not None:
         paths["native"] = lambda: native.prefill_attention(q, cache, table, starts, q_lens, scale)
+        if other is not None:
+            paths["other"] = lambda: native.prefill_attention(
+                q, cache, table, starts, q_lens, scale, lib=other
+            )
     diff = (split().float() - masked().float()).abs().max().item()
     times: dict[str, list[float]] = {p: [] for p in paths}
     for _ in range(args.rounds):
@@ -126,7 +153,11 @@ def context(args: argparse.Namespace, dtype: torch.dtype, q_len: int, start: int
     ratio = ms["split"] / ms["masked"]
     nat = ms.get("native", float("nan")) / ms["masked"]
     line = f"{str(dtype)[6:]:<9} {q_len:>5} {start:>5}  {' '.join(cells)}  {ratio:7.3f} {nat:8.3f}"
-    print(f"{line}  {diff:.1e}", flush=True)
+    line += f"  {diff:17.1e}"
+    if "other" in paths:
+        apart = (paths["native"]().float() - paths["other"]().float()).abs().max().item()
+        line += f"  {ms['other']:9.2f} {ms['native'] / ms['other']:12.3f}  {apart:.1e}"
+    print(line, flush=True)
 
 
 def ttft(args: argparse.Namespace) -> None:

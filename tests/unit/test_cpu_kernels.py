@@ -483,6 +483,30 @@ def test_another_build_of_the_source_loads_beside_the_package_one(tmp_path) -> N
     assert torch.equal(ops.panel_gemm(x, panels, lib=Spy()), ops.panel_gemm(x, panels))
     assert len(calls) == 1
 
+    class AttentionSpy:  # ``benchmarks/prefill_attention.py context --against``
+        def kvroom_prefill_attention(self, *args):
+            calls.append(args)
+            return other.kvroom_prefill_attention(*args)
+
+    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 4, 2, 32, [(5, 20)])
+    one = torch.tensor([5]), torch.tensor([20])
+    got = ops.prefill_attention(q, cache, tables, *one, 0.25, lib=AttentionSpy())
+    assert got is not None and torch.equal(got, ops.prefill_attention(q, cache, tables, *one, 0.25))
+    assert len(calls) == 2
+
+
+def test_a_source_of_another_abi_is_refused(tmp_path) -> None:
+    from kvroom.models.kernels import build
+
+    source = tmp_path / "old.cpp"
+    old = build.SOURCE.read_text().replace(
+        f"kvroom_abi_version() {{ return {build.ABI_VERSION}; }}",
+        "kvroom_abi_version() { return 1; }",
+    )
+    source.write_text(old)
+    with pytest.raises(OSError, match="kernels ABI 1, expected"):
+        build.build_library(source, tmp_path / "old.so")
+
 
 def test_another_build_needs_a_compiler(tmp_path, monkeypatch) -> None:
     from kvroom.models.kernels import build

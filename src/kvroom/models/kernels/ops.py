@@ -96,6 +96,7 @@ def prefill_attention(
     starts: torch.Tensor,
     q_lens: torch.Tensor,
     scale: float,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor | None:
     """``[Tp, H * D]`` causal attention of packed prefill chunks over their pool blocks.
 
@@ -109,6 +110,7 @@ def prefill_attention(
         tables: ``[B, n]`` int64 pool units per chunk, contiguous.
         starts: ``[B]`` int64 first position of each chunk.
         q_lens: ``[B]`` int64 rows of each chunk (they sum to ``Tp``).
+        lib: another build of the kernels (``build.build_library``) instead of the package's.
     """
     qd, kd = _DTYPES.get(q.dtype), _DTYPES.get(cache.dtype)
     t, h, d = q.shape
@@ -123,7 +125,7 @@ def prefill_attention(
         or not cpu_kernels().native
     ):
         return None
-    lib = library()
+    lib = library() if lib is None else lib
     assert lib is not None
     out = torch.empty(t, h * d, dtype=q.dtype)
     rc = lib.kvroom_prefill_attention(
