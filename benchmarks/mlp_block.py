@@ -53,8 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="timed turns of each")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    kernels = cpu_kernels()
-    if not (kernels.panel_gemm if dtype == torch.float32 else kernels.panel_gemm_bf16):
+    if not cpu_kernels().panels(dtype):
         raise SystemExit(f"the native {args.dtype} panel GEMM does not run on this CPU")
     torch.manual_seed(0)
     layers = [

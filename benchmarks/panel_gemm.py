@@ -86,8 +86,7 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, tmp: Path) -> None:
     dtype = getattr(torch, args.dtype)
-    kernels = cpu_kernels()
-    if not (kernels.panel_gemm if dtype == torch.float32 else kernels.panel_gemm_bf16):
+    if not cpu_kernels().panels(dtype):
         raise SystemExit(f"the native {args.dtype} panel GEMM does not run on this CPU")
     torch.manual_seed(0)
     dense = [

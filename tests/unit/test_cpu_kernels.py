@@ -283,7 +283,11 @@ def test_pack_panels_declines_what_the_kernel_was_not_built_for() -> None:
     assert ops.pack_panels(torch.randn(8, 40)) is None  # width not a multiple of 32
     assert ops.pack_panels(torch.randn(8, 64, dtype=torch.float16)) is None
     bf16 = ops.pack_panels(torch.randn(8, 64, dtype=torch.bfloat16))
-    assert (bf16 is not None) == cpu_kernels().panel_gemm_bf16
+    assert (
+        (bf16 is not None) == cpu_kernels().panel_gemm_bf16 == cpu_kernels().panels(torch.bfloat16)
+    )
+    assert cpu_kernels().panels(torch.float32) == cpu_kernels().panel_gemm
+    assert not cpu_kernels().panels(torch.float16)
 
 
 needs_bf16_panels = pytest.mark.skipif(

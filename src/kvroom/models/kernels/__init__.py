@@ -59,6 +59,12 @@ class CpuKernels:
     half the bytes of fp32 ones), not oneDNN: on AVX-512 CPUs without AMX, whose tiles oneDNN
     uses."""
 
+    def panels(self, dtype: torch.dtype) -> bool:
+        """Whether ``dtype`` projections run as the native panel GEMM on this CPU."""
+        return (dtype == torch.float32 and self.panel_gemm) or (
+            dtype == torch.bfloat16 and self.panel_gemm_bf16
+        )
+
     def _prefill(self) -> str:
         if self.vector_prefill:
             return "; AVX-512 attention for prefill with cached context"

@@ -193,11 +193,7 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
     kernel: ``cpu_kernels().panel_gemm``, ``panel_gemm_bf16``)."""
     if w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % PANEL:
         return None
-    kernels = cpu_kernels()
-    if not (
-        (w.dtype == torch.float32 and kernels.panel_gemm)
-        or (w.dtype == torch.bfloat16 and kernels.panel_gemm_bf16)
-    ):
+    if not cpu_kernels().panels(w.dtype):
         return None
     k, n = w.shape
     if w.dtype == torch.bfloat16:  # columns 0, 16, 1, 17, ...: the kernel's two-vector load
