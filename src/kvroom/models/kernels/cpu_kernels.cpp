@@ -1035,7 +1035,7 @@ inline void panel(const float* x, int64_t x_stride, const W* w, const float* bia
 // y[:, 32p : 32p + 32] = silu(x @ gate panel p) * (x @ up panel p): per pass, the gate block
 // goes to a buffer, the up block to y, and ``silu_mul_span`` combines them there while both are
 // in L1, rounded as gate_up's output then ``silu_mul`` would round them. The [M, 2I] product
-// is never written, and the step has one parallel region where it had two.
+// is never written, and no separate SiLU-GLU pass runs (a parallel one, for large steps).
 template <typename W, typename Y>
 inline void glu_panel(const float* x, int64_t x_stride, const W* gate, const W* up, int64_t M,
                       int K, Y* y, int64_t y_stride, const W* next_gate, const W* next_up) {
