@@ -43,6 +43,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from kvroom.bench import bench_kvroom, chat_prompts
@@ -199,27 +200,21 @@ def matmul_gflops(n: int = 1024, tries: int = 5) -> float:
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) that ``pid`` and its descendants have used so far (Linux
-    ``/proc``; 0 where it cannot be read): what an engine burns while the other one runs."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """CPU seconds (user + system) that ``pid`` and its descendants have used so far (0 for
+    processes gone meanwhile): what an engine burns while the other one runs."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
             continue
-        parents[int(entry)] = int(fields[1])
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+        total += times.user + times.system
+    return total
 
 
 def own_cpu_seconds() -> float:
