@@ -217,13 +217,9 @@ def panel_gemm(
     (``build.build_library``) instead of the package's."""
     lib = library() if lib is None else lib
     assert lib is not None
-    if x.dtype != torch.float32 and out is None:
-        return panel_gemm(x.float(), panels, bias, lib).to(x.dtype)  # bf16 panels: a no-op
-    x = x.float()
+    dtype, x = x.dtype, _dense_fp32(x)
     p, k, _ = panels.shape
     m = x.shape[0]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     y = torch.empty(m, p * PANEL, dtype=panels.dtype) if out is None else out
     assert y.dtype == panels.dtype and y.shape == (m, p * PANEL) and y.stride(-1) == 1
     if bias is not None:
@@ -234,7 +230,7 @@ def panel_gemm(
         y.data_ptr(), y.stride(0), m, k, p * PANEL, out is not None,
     )  # fmt: skip
     assert rc == 0, f"kvroom panel GEMM ({panels.dtype}) returned {rc}"
-    return y
+    return y if out is not None else _narrowed(y, dtype)
 
 
 def panel_glu(
@@ -246,13 +242,22 @@ def panel_glu(
     panels' dtype (fp32 panels meeting a narrower ``x``: ``x``'s)."""
     lib = library() if lib is None else lib
     assert lib is not None
-    if x.dtype != torch.float32:
-        return panel_glu(x.float(), panels, lib).to(x.dtype)  # bf16 panels: a no-op
+    dtype, x = x.dtype, _dense_fp32(x)
     p, k, _ = panels.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     y = torch.empty(x.shape[0], p // 2 * PANEL, dtype=panels.dtype)
     glu = lib.kvroom_panel_glu if panels.dtype == torch.float32 else lib.kvroom_panel_glu_bf16
     rc = glu(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], k, y.shape[1])
     assert rc == 0, f"kvroom panel GLU ({panels.dtype}) returned {rc}"
-    return y
+    return _narrowed(y, dtype)
+
+
+def _narrowed(y: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """``y`` in ``x``'s dtype where ``x`` was narrower than fp32 (fp32 panels meeting bf16
+    ``x``; with bf16 panels a no-op), else as the panels made it."""
+    return y if x_dtype == torch.float32 else y.to(x_dtype)
+
+
+def _dense_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the panel kernels read it: fp32, each row's elements adjacent."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
