@@ -174,7 +174,7 @@ def requests_for(workload: str, cfg: Any, vocab: int) -> list[tuple[list[int], d
 def worker(artifact: str, workload: str) -> dict[str, Any]:
     """Run ``workload`` on ``kvroom.LLM(artifact)`` in this (fresh) process; its peak."""
     import kvroom
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
 
     llm = kvroom.LLM(artifact)
     runtime = llm.runtime

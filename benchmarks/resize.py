@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Any
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 
 

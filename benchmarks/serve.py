@@ -103,7 +103,7 @@ class Offline:
         return self.pool.submit(self._measure, prompts, max_tokens, concurrency).result()
 
     def _measure(self, prompts: list[str], max_tokens: int, concurrency: int) -> float:
-        from kvroom.engine.sampling import SamplingParams
+        from kvroom.engine.params.sampling import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         wave = len(prompts) if concurrency >= self.batch_size else concurrency

@@ -32,8 +32,8 @@ _EXPORTS = {
     "set_kvcache_num_blocks": "kvroom.artifact.resize",
     "read_info": "kvroom.artifact.layout",
     "LLM": "kvroom.llm",
-    "SamplingParams": "kvroom.engine.sampling",
-    "StructuredOutputsParams": "kvroom.engine.structured_params",
+    "SamplingParams": "kvroom.engine.params.sampling",
+    "StructuredOutputsParams": "kvroom.engine.params.structured",
     "KvroomModelForCausalLM": "kvroom.modeling",
 }
 

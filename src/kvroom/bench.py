@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 
 TOPICS = (
@@ -121,7 +121,7 @@ LOAD_KVROOM = (
     """
 import sys, time
 from kvroom.llm import LLM
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 llm = LLM(sys.argv[1], kvcache_num_blocks=sys.argv[2])
 llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=1))
 """

@@ -16,10 +16,11 @@ from typing import Any
 
 from kvroom import heap
 from kvroom.artifact.resize import startup_plan
-from kvroom.engine.engine import RequestOutput, ResizeResult
-from kvroom.engine.live_pool import KVCacheState, resolve_resize
-from kvroom.engine.output import TokenLogprobs
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.engine import RequestOutput
+from kvroom.engine.kv.live_pool import KVCacheState, resolve_resize
+from kvroom.engine.kv.migration import ResizeResult
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.output import TokenLogprobs
 from kvroom.errors import ConfigError
 from kvroom.models.layers import widens_bf16_weights
 from kvroom.runtime import Runtime, build_runtime

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvroom.compile import compile
 from kvroom.config import DecoderOnlyConfig
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import ConfigError
 from kvroom.llm import LLM
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvroom import heap
 from kvroom.artifact.layout import read_info
-from kvroom.engine.output import SchedulerOutput
+from kvroom.engine.sched.output import SchedulerOutput
 from kvroom.plan.measured import IN_TURN, MeasuredTerms
 from kvroom.profiling import (
     IN_TURN_ROUNDS,
@@ -166,7 +166,7 @@ def _generate_once(runtime: Any) -> None:
     """Two requests through ``LLM.generate`` (text and token ids, greedy and seeded top-p with
     a stop string and logprobs): the scheduler, block manager, sampler, detokenizer and
     output code a deployment runs above the model runner, resident from their first use."""
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
     from kvroom.llm import LLM
 
     llm = LLM.from_runtime(runtime)

@@ -30,8 +30,8 @@ from typing import Any
 
 from kvroom import heap
 from kvroom.artifact.layout import ArtifactInfo
-from kvroom.engine.output import ScheduledSeq, SchedulerOutput
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
 from kvroom.errors import KvroomError
 from kvroom.plan.measured import STEP_SHAPES, MeasuredTerms
 

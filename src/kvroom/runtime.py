@@ -14,13 +14,13 @@ from typing import Any
 
 from kvroom import heap
 from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
-from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine
-from kvroom.engine.grammar import GrammarCompiler
-from kvroom.engine.heap_guard import HeapGuard
-from kvroom.engine.kv_cache import KVCachePool
+from kvroom.engine.kv.block_manager import BlockManager
+from kvroom.engine.kv.heap_guard import HeapGuard
+from kvroom.engine.kv.pool import KVCachePool
 from kvroom.engine.model_runner import ModelRunner, load_model
-from kvroom.engine.scheduler import Scheduler
+from kvroom.engine.sched.scheduler import Scheduler
+from kvroom.engine.structured.grammar import GrammarCompiler
 from kvroom.model_spec import ModelSpec
 from kvroom.plan import MemoryPlan
 

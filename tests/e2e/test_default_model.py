@@ -9,7 +9,7 @@ import torch
 
 from kvroom.cli import main
 from kvroom.compile import compile as kvroom_compile
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 
 pytestmark = pytest.mark.real_model

@@ -13,7 +13,7 @@ import transformers
 
 from kvroom.artifact.layout import read_info
 from kvroom.cli import main
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 from tiny_models import TINY_COMPILE_CONFIG, compile_tiny_artifact, write_tiny_gemma4
 

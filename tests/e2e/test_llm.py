@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvroom.artifact.layout import config_path
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import AdmissionError, ConfigError, MemoryNotEnoughError
 from kvroom.llm import LLM
 from kvroom.modeling import KvroomModelForCausalLM

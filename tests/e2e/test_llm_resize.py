@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import ConfigError, MemoryNotEnoughError
 from kvroom.llm import LLM
 from tiny_models import compile_tiny_artifact, write_tiny_llama

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import ConfigError
 from kvroom.llm import LLM
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvroom import StructuredOutputsParams
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import AdmissionError, ConfigError
 from kvroom.llm import LLM
 

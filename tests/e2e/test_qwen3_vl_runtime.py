@@ -15,7 +15,7 @@ import transformers
 from PIL import Image
 
 from kvroom.config import Qwen3VLForConditionalGenerationConfig, Qwen3VLModelConfig
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import AdmissionError
 from kvroom.llm import LLM
 from tiny_models import QWEN3_VL_MAX_PIXELS, compile_tiny_artifact, write_tiny_qwen3_vl

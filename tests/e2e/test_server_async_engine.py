@@ -18,7 +18,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from kvroom.engine.engine import RequestOutput
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import AdmissionError
 from kvroom.llm import LLM
 from kvroom.server.app import create_app

@@ -17,7 +17,7 @@ from PIL import Image
 from server_harness import ThreadServer
 
 from kvroom.cli import main
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 from kvroom.server.app import create_app
 from tiny_models import QWEN3_VL_MAX_PIXELS, compile_tiny_artifact, write_tiny_qwen3_vl

@@ -16,7 +16,7 @@ import pytest
 import torch
 from server_harness import ServerProcess
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 
 pytestmark = pytest.mark.server

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from server_harness import ServerProcess
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 
 pytestmark = [pytest.mark.real_model, pytest.mark.server, pytest.mark.slow]

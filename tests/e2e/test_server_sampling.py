@@ -20,7 +20,7 @@ import pytest
 import torch
 from server_harness import ThreadServer
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 from kvroom.server.app import create_app
 

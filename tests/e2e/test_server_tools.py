@@ -20,7 +20,7 @@ from server_harness import ThreadServer
 
 from kvroom.llm import LLM
 from kvroom.server.app import create_app
-from kvroom.server.tools import ToolOptions
+from kvroom.server.openai.tools import ToolOptions
 from tiny_models import compile_tiny_artifact
 
 pytestmark = pytest.mark.server

@@ -53,8 +53,8 @@ def test_pool_bytes_equal_the_plan(cuda_artifact) -> None:
 def test_logits_match_transformers(cuda_artifact) -> None:
     from transformers import AutoModelForCausalLM
 
-    from kvroom.engine.output import ScheduledSeq, SchedulerOutput
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
+    from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
     from kvroom.llm import LLM
 
     folder, dtype = cuda_artifact
@@ -80,7 +80,7 @@ def test_logits_match_transformers(cuda_artifact) -> None:
 
 
 def test_plan_against_max_memory_reserved(cuda_artifact) -> None:
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
     from kvroom.llm import LLM
 
     torch.cuda.empty_cache()

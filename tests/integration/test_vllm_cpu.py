@@ -117,7 +117,7 @@ def vllm_env(launch: VllmLaunch) -> dict[str, str]:
 
 
 def kvroom_greedy(artifact: Path) -> tuple[list[list[int]], list[list[int]]]:
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
     from kvroom.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -126,7 +126,7 @@ def kvroom_greedy(artifact: Path) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def kvroom_text(artifact: Path, prompt: str, max_tokens: int) -> str:
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
     from kvroom.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -13,7 +13,7 @@ import torch
 import transformers
 from test_parity_vs_hf import NEW_TOKENS, _Harness
 
-from kvroom.engine.output import SchedulerOutput
+from kvroom.engine.sched.output import SchedulerOutput
 
 S, F = "sliding_attention", "full_attention"
 _BASE = dict(

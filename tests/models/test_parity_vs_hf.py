@@ -15,10 +15,10 @@ import pytest
 import torch
 import transformers
 
-from kvroom.engine.kv_cache import KVCachePool
+from kvroom.engine.kv.pool import KVCachePool
 from kvroom.engine.model_runner import ModelRunner, load_model
-from kvroom.engine.output import ScheduledSeq, SchedulerOutput
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
 
 BLOCK = 4
 WINDOW = 4

@@ -41,10 +41,10 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_greedy_tokens_match_hf_generate(smollm2) -> None:
-    from kvroom.engine.kv_cache import KVCachePool
+    from kvroom.engine.kv.pool import KVCachePool
     from kvroom.engine.model_runner import ModelRunner, load_model
-    from kvroom.engine.output import ScheduledSeq, SchedulerOutput
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
+    from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
 
     hf, tokenizer, folder = smollm2
     messages = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]

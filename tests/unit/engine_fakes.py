@@ -13,11 +13,11 @@ import collections.abc as abc
 import zlib
 from collections.abc import Callable
 
-from kvroom.engine.block_manager import BlockManager
-from kvroom.engine.output import SchedulerOutput
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.scheduler import Scheduler
-from kvroom.engine.sequence import Sequence
+from kvroom.engine.kv.block_manager import BlockManager
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.output import SchedulerOutput
+from kvroom.engine.sched.scheduler import Scheduler
+from kvroom.engine.sched.sequence import Sequence
 
 VOCAB_SIZE = 50
 BLOCK_SIZE = 4

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvroom.engine.block_manager import BlockManager
+from kvroom.engine.kv.block_manager import BlockManager
 from kvroom.errors import ConfigError
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroom.engine.elastic import (
+from kvroom.engine.kv.elastic import (
     ElasticController,
     ElasticPolicy,
     MemorySample,

@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 import pytest
 from engine_fakes import FakeRunner, hash_token, reference_output, scripted
 
-from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine, RequestOutput
-from kvroom.engine.heap_guard import HeapGuard, Resident
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.scheduler import Scheduler
+from kvroom.engine.kv.block_manager import BlockManager
+from kvroom.engine.kv.heap_guard import HeapGuard, Resident
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.scheduler import Scheduler
 from kvroom.errors import AdmissionError
 
 EOS = 0

@@ -6,9 +6,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from kvroom.engine.grammar import GrammarCompiler, choice_grammar
-from kvroom.engine.structured_params import StructuredOutputError
-from kvroom.engine.structured_params import StructuredOutputsParams as SO
+from kvroom.engine.params.structured import StructuredOutputError
+from kvroom.engine.params.structured import StructuredOutputsParams as SO
+from kvroom.engine.structured.grammar import GrammarCompiler, choice_grammar
 from tiny_models import build_tiny_tokenizer
 
 VOCAB = 320  # logits wider than the tokenizer's 300 tokens (padded embeddings)

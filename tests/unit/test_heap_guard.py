@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvroom.engine.heap_guard import HeapGuard, Resident, resident
+from kvroom.engine.kv.heap_guard import HeapGuard, Resident, resident
 
 
 class _Process:

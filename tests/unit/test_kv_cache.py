@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvroom.engine.kv_cache import KVCachePool
+from kvroom.engine.kv.pool import KVCachePool
 from kvroom.errors import ConfigError
 from kvroom.model_spec import ModelSpec
 
@@ -98,7 +98,7 @@ def test_cpu_pool_becomes_resident_in_the_background_without_losing_writes() -> 
 
 def test_touch_without_the_kernel_populate_keeps_contents(monkeypatch) -> None:
     """Where MADV_POPULATE_WRITE is refused, ``touch`` writes one unchanged byte per page."""
-    monkeypatch.setattr("kvroom.engine.kv_pages.MADV_POPULATE_WRITE", -1)  # EINVAL
+    monkeypatch.setattr("kvroom.engine.kv.pages.MADV_POPULATE_WRITE", -1)  # EINVAL
     pool = _pool(_spec(HYBRID), num_blocks=4096)
     pool.layers[1][7].fill_(-1.5)
     pool.touch()
@@ -171,7 +171,7 @@ def test_every_live_sequence_keeps_its_kv_bytes_through_a_migration(
     """Random sequences on a 64-block pool, random frees, a shrink to 20: the block manager
     plans the moves, the pool copies them; each survivor's K/V, read through its new table,
     is byte-identical to what it wrote."""
-    from kvroom.engine.block_manager import BlockManager
+    from kvroom.engine.kv.block_manager import BlockManager
 
     gen = torch.Generator().manual_seed(seed)
     pool = _resizable(device, backend, num_blocks=64)

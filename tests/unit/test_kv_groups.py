@@ -11,7 +11,7 @@ import torch
 
 from kvroom.config import DecoderOnlyConfig
 from kvroom.device import DeviceMemory
-from kvroom.engine.kv_cache import KVCachePool
+from kvroom.engine.kv.pool import KVCachePool
 from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.plan import compute_plan

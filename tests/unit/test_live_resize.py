@@ -12,10 +12,10 @@ from engine_fakes import FakeRunner, reference_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroom.engine.block_manager import BlockManager
 from kvroom.engine.engine import LLMEngine, RequestOutput
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.scheduler import Scheduler
+from kvroom.engine.kv.block_manager import BlockManager
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.scheduler import Scheduler
 from kvroom.errors import ConfigError
 
 MAX_SEQ_LEN = 32  # 8 blocks of 4: the smallest pool the scheduler accepts

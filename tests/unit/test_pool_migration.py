@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroom.engine.pool_migration import Migration, plan_migration, remap_tables
+from kvroom.engine.kv.migration import Migration, plan_migration, remap_tables
 
 
 def test_highest_used_blocks_go_to_the_lowest_free_ones() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvroom.engine.prefix_cache import PrefixCache, chain_hashes, hash_block
+from kvroom.engine.kv.prefix_cache import PrefixCache, chain_hashes, hash_block
 
 
 def test_equal_prefixes_give_equal_hashes_and_a_change_moves_every_later_hash() -> None:

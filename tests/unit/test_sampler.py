@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvroom.engine.sampler import Sampler, filtered_probs, mix_seed
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sampling.sampler import Sampler, filtered_probs, mix_seed
 
 GREEDY = SamplingParams(temperature=0.0)
 

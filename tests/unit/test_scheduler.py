@@ -7,9 +7,9 @@ from engine_fakes import BLOCK_SIZE, Driver, make_scheduler, make_seq, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.scheduler import Scheduler
-from kvroom.engine.sequence import Sequence, SequenceStatus
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.scheduler import Scheduler
+from kvroom.engine.sched.sequence import Sequence, SequenceStatus
 from kvroom.errors import AdmissionError, ConfigError
 
 # -- admission ---------------------------------------------------------------------------

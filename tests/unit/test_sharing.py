@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroom.engine.engine import LLMEngine, RequestOutput
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.sequence import Sequence
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.sequence import Sequence
 
 SYSTEM = tuple(range(1, 10))  # 9 tokens: two full blocks of 4 and one more
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)

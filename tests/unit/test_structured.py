@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvroom.engine.grammar import GrammarCompiler
-from kvroom.engine.output import ScheduledSeq
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.structured import StructuredOutputs
-from kvroom.engine.structured_params import StructuredOutputsParams as SO
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.params.structured import StructuredOutputsParams as SO
+from kvroom.engine.sched.output import ScheduledSeq
+from kvroom.engine.structured.grammar import GrammarCompiler
+from kvroom.engine.structured.masks import StructuredOutputs
 from tiny_models import build_tiny_tokenizer
 
 VOCAB = 300

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.structured_params import StructuredOutputError, StructuredOutputsParams
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.params.structured import StructuredOutputError, StructuredOutputsParams
 from kvroom.errors import ConfigError
 
 

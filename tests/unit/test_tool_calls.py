@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvroom.server.tool_calls import HermesParser, StreamDelta
+from kvroom.server.openai.tool_calls import HermesParser, StreamDelta
 
 P = HermesParser()
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

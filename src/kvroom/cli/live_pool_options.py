@@ -86,7 +86,7 @@ def _estimate(artifact: str, overrides: dict[str, Any]) -> int:
 
 
 def elastic_policy(plan: Any, min_blocks: int, max_blocks: int) -> Any:
-    from kvroom.engine.elastic import DEFAULT_RESERVE_BYTES, ElasticPolicy
+    from kvroom.engine.kv.elastic import DEFAULT_RESERVE_BYTES, ElasticPolicy
 
     return ElasticPolicy(
         min_num_blocks=min_blocks,

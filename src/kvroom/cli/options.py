@@ -116,7 +116,7 @@ def startup_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_tool_call_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's tool-calling flags for ``serve``."""
-    from kvroom.server.tool_calls import TOOL_CALL_PARSERS
+    from kvroom.server.openai.tool_calls import TOOL_CALL_PARSERS
 
     parser.add_argument(
         "--enable-auto-tool-choice",
@@ -135,6 +135,6 @@ def add_tool_call_flags(parser: argparse.ArgumentParser) -> None:
 
 def tool_options(args: argparse.Namespace) -> Any:
     """``create_app``'s ``ToolOptions`` from the flags (``ConfigError`` if inconsistent)."""
-    from kvroom.server.tools import ToolOptions
+    from kvroom.server.openai.tools import ToolOptions
 
     return ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)

@@ -53,7 +53,7 @@ def add_runtime_commands(sub: Any) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
-    from kvroom.engine.sampling import SamplingParams
+    from kvroom.engine.params.sampling import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvroom.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from kvroom.engine.grammar import GrammarCompiler
-from kvroom.engine.heap_guard import HeapGuard
-from kvroom.engine.output import SchedulerOutput, StepResult, TokenLogprobs
-from kvroom.engine.pool_migration import PoolResize
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.scheduler import Scheduler
-from kvroom.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvroom.errors import AdmissionError, ConfigError
+from kvroom.engine.kv.heap_guard import HeapGuard
+from kvroom.engine.kv.migration import ResizeResult, check_reserve
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sched.output import SchedulerOutput, StepResult, TokenLogprobs
+from kvroom.engine.sched.scheduler import Scheduler
+from kvroom.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
+from kvroom.engine.structured.grammar import GrammarCompiler
+from kvroom.errors import AdmissionError
 
 
 class Runner(Protocol):
@@ -45,23 +45,6 @@ class ResizablePool(Protocol):
     def resize(self, num_blocks: int) -> None: ...
 
     def copy_blocks(self, moves: tuple[tuple[int, int], ...]) -> None: ...
-
-
-@dataclass(frozen=True)
-class ResizeResult:
-    """One live resize of the KV pool, as logged and returned by the admin API."""
-
-    from_blocks: int
-    to_blocks: int
-    num_moved_blocks: int
-    """Blocks whose K/V was copied to a lower id (a shrink)."""
-    num_preempted: int
-    """Sequences preempted (to be recomputed) because the used blocks did not fit."""
-    seconds: float
-
-    @classmethod
-    def of(cls, done: PoolResize, seconds: float) -> ResizeResult:
-        return cls(done.from_blocks, done.to_blocks, len(done.moves), len(done.preempted), seconds)
 
 
 @dataclass(frozen=True)
@@ -408,16 +391,6 @@ class LLMEngine:
         del self._requests[request.request_id]
         del self._by_seq[request.seq.seq_id]
         self.runner.release(request.seq.seq_id)
-
-
-def check_reserve(num_blocks: int, max_num_blocks: int) -> None:
-    """Raise ``ConfigError`` when a resize would go past the address space reserved."""
-    if num_blocks > max_num_blocks:
-        raise ConfigError(
-            f"kvcache_num_blocks: {num_blocks} is above the {max_num_blocks} blocks of address "
-            "space reserved at start-up; restart with a larger --kvcache-max-blocks (or "
-            "--kvcache-num-blocks) to go higher"
-        )
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from kvroom.engine.grammar import GrammarCompiler
-from kvroom.engine.kv_cache import KVCachePool
-from kvroom.engine.output import ScheduledSeq, SchedulerOutput, StepResult
-from kvroom.engine.prompt_logprobs import Found, PromptLogprobs, wants_prompt_logprobs
-from kvroom.engine.sampler import Sampler
-from kvroom.engine.structured import StepMasks, StructuredOutputs
+from kvroom.engine.kv.pool import KVCachePool
+from kvroom.engine.sampling.prompt_logprobs import Found, PromptLogprobs, wants_prompt_logprobs
+from kvroom.engine.sampling.sampler import Sampler
+from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput, StepResult
+from kvroom.engine.structured.grammar import GrammarCompiler
+from kvroom.engine.structured.masks import StepMasks, StructuredOutputs
 from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models import build_model

@@ -22,12 +22,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvroom.engine.elastic import ElasticController, ElasticPolicy
-from kvroom.engine.engine import ResizeResult
-from kvroom.engine.live_pool import KVCacheState, resolve_resize
+from kvroom.engine.kv.elastic import ElasticController, ElasticPolicy
+from kvroom.engine.kv.live_pool import KVCacheState, resolve_resize
+from kvroom.engine.kv.migration import ResizeResult
 from kvroom.errors import KvroomError
 from kvroom.server.async_engine import AsyncEngine
-from kvroom.server.protocol import ApiError
+from kvroom.server.openai.protocol import ApiError
 
 logger = logging.getLogger("kvroom")
 

@@ -29,31 +29,31 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
-from kvroom.engine.elastic import ElasticPolicy
-from kvroom.engine.structured_params import StructuredOutputsParams
+from kvroom.engine.kv.elastic import ElasticPolicy
+from kvroom.engine.params.structured import StructuredOutputsParams
 from kvroom.llm import LLM
 from kvroom.server.admin import LivePool, install_admin, start_elastic
 from kvroom.server.async_engine import AsyncEngine
 from kvroom.server.auth import add_api_key_check
 from kvroom.server.cache_routes import router as cache_router
-from kvroom.server.errors import add_error_handlers, unsupported_params_error
-from kvroom.server.formats import ChatFormat, CompletionFormat
-from kvroom.server.images import ChatImages
 from kvroom.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from kvroom.server.metrics import ServerMetrics
-from kvroom.server.prompts import (
+from kvroom.server.openai.errors import add_error_handlers, unsupported_params_error
+from kvroom.server.openai.formats import ChatFormat, CompletionFormat
+from kvroom.server.openai.images import ChatImages
+from kvroom.server.openai.prompts import (
     SamplingBody,
     chat_prompt_ids,
     completion_prompts,
     sampling_params,
 )
-from kvroom.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from kvroom.server.responses import ModelCard, ModelList
-from kvroom.server.serving import Job, Prompt, ServerState, json_response, serve_job
-from kvroom.server.structured import check_compiles, requested_constraint
-from kvroom.server.tokenization import TokenizerPool
-from kvroom.server.tokenize import router as tokenize_router
-from kvroom.server.tools import ToolOptions, resolve_tools
+from kvroom.server.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvroom.server.openai.responses import ModelCard, ModelList
+from kvroom.server.openai.serving import Job, Prompt, ServerState, json_response, serve_job
+from kvroom.server.openai.structured import check_compiles, requested_constraint
+from kvroom.server.openai.tokenization import TokenizerPool
+from kvroom.server.openai.tokenize import router as tokenize_router
+from kvroom.server.openai.tools import ToolOptions, resolve_tools
 
 router = APIRouter()
 

@@ -31,8 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvroom.engine.engine import EngineStats, LLMEngine, RequestOutput, ResizeResult
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.engine import EngineStats, LLMEngine, RequestOutput
+from kvroom.engine.kv.migration import ResizeResult
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import AdmissionError, KvroomError
 
 logger = logging.getLogger("kvroom")

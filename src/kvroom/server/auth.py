@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from kvroom.server.errors import error_response
-from kvroom.server.protocol import ApiError
+from kvroom.server.openai.errors import error_response
+from kvroom.server.openai.protocol import ApiError
 
 PROTECTED_PATHS = frozenset({"/reset_prefix_cache"})
 """Routes outside ``/v1`` that need the key as well."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvroom.server.errors import error_response
-from kvroom.server.protocol import ApiError
+from kvroom.server.openai.errors import error_response
+from kvroom.server.openai.protocol import ApiError
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 """32 MiB: far above any prompt that fits a context window, far below what hurts memory."""

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvroom.engine.output import TokenLogprobs
-from kvroom.server.responses import (
+from kvroom.engine.sched.output import TokenLogprobs
+from kvroom.server.openai.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -39,7 +39,7 @@ from kvroom.server.responses import (
     ToolCallOut,
     UsageInfo,
 )
-from kvroom.server.tool_calls import ToolCall, ToolCallDelta
+from kvroom.server.openai.tool_calls import ToolCall, ToolCallDelta
 
 TokenText = Callable[[int], str]
 Entry = tuple[int, TokenLogprobs | None]

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from kvroom.engine.grammar import GrammarCompiler
-from kvroom.engine.output import ScheduledSeq
+from kvroom.engine.sched.output import ScheduledSeq
+from kvroom.engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("kvroom")
 

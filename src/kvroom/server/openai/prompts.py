@@ -12,11 +12,11 @@ from typing import Any
 
 import jinja2
 
-from kvroom.engine.sampling import SamplingParams
-from kvroom.engine.structured_params import StructuredOutputsParams
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.params.structured import StructuredOutputsParams
 from kvroom.errors import ConfigError
-from kvroom.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from kvroom.server.serving import Prompt, ServerState
+from kvroom.server.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvroom.server.openai.serving import Prompt, ServerState
 
 SamplingBody = CompletionRequest | ChatCompletionRequest
 

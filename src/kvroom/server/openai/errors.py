@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvroom.server.protocol import ApiError
+from kvroom.server.openai.protocol import ApiError
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvroom.engine.output import ScheduledSeq
+from kvroom.engine.sched.output import ScheduledSeq
 
 
 class TokenHistory:

@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse
 
 from kvroom.errors import ConfigError
 from kvroom.media import load_image
-from kvroom.server.protocol import ApiError
+from kvroom.server.openai.protocol import ApiError
 
 
 def load_image_url(url: str, allowed_local_media_path: Path | None, index: int) -> Any:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvroom.engine.block_manager import BlockManager
-from kvroom.engine.sequence import Sequence, SequenceStatus
+from kvroom.engine.kv.block_manager import BlockManager
+from kvroom.engine.sched.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

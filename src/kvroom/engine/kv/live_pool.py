@@ -14,15 +14,24 @@ KV pool as used, so "auto" counts them back in::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvroom.adjust import require_estimate_fits, validate_num_blocks
 from kvroom.device import DeviceMemory, probe
-from kvroom.engine.engine import EngineStats, ResizeResult, check_reserve
+from kvroom.engine.kv.migration import ResizeResult, check_reserve
 from kvroom.errors import ConfigError
 from kvroom.plan import MemoryPlan
 
 AUTO = "auto"
+
+
+class PoolCounts(Protocol):
+    """The pool's counters in an engine's stats (``EngineStats`` has them)."""
+
+    num_total_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_kv_resizes: int
 
 
 def resolve_resize(
@@ -102,7 +111,7 @@ class KVCacheState:
     def of(
         cls,
         plan: MemoryPlan,
-        stats: EngineStats,
+        stats: PoolCounts,
         *,
         max_num_blocks: int,
         last_resize: ResizeResult | None,

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvroom.engine import kv_pages
-from kvroom.engine.kv_pages import BlockStore, make_block_store, zeros_lazy
+from kvroom.engine.kv import pages as kv_pages
+from kvroom.engine.kv.pages import BlockStore, make_block_store, zeros_lazy
 from kvroom.errors import ConfigError
 from kvroom.model_spec import KVGroup, LayerKind, ModelSpec
 

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvroom.engine.engine import RequestOutput
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 from kvroom.errors import AdmissionError
 from kvroom.llm import best_choices
 from kvroom.server.async_engine import (
@@ -32,13 +32,13 @@ from kvroom.server.async_engine import (
     EngineDeadError,
     RequestStream,
 )
-from kvroom.server.formats import CompletionFormat, Entry, FinalChoice, StreamDelta
 from kvroom.server.metrics import ServerMetrics
-from kvroom.server.protocol import ApiError
-from kvroom.server.responses import UsageInfo
-from kvroom.server.tokenization import TokenizerPool
-from kvroom.server.tool_calls import ToolCallDelta
-from kvroom.server.tools import ToolOptions, ToolUse
+from kvroom.server.openai.formats import CompletionFormat, Entry, FinalChoice, StreamDelta
+from kvroom.server.openai.protocol import ApiError
+from kvroom.server.openai.responses import UsageInfo
+from kvroom.server.openai.tokenization import TokenizerPool
+from kvroom.server.openai.tool_calls import ToolCallDelta
+from kvroom.server.openai.tools import ToolOptions, ToolUse
 
 T = TypeVar("T")
 _ENGINE_REQUEST_PREFIX = re.compile(r"^request \d+: ")

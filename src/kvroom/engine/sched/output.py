@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

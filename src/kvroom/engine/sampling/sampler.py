@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvroom.engine.logprobs import token_logprobs
-from kvroom.engine.output import ScheduledSeq, TokenLogprobs
-from kvroom.engine.penalties import TokenHistory, process_logits
-from kvroom.engine.sampling import SamplingParams
+from kvroom.engine.params.sampling import SamplingParams
+from kvroom.engine.sampling.logprobs import token_logprobs
+from kvroom.engine.sampling.penalties import TokenHistory, process_logits
+from kvroom.engine.sched.output import ScheduledSeq, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 

@@ -20,10 +20,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvroom.engine.structured_params import StructuredOutputsParams
+from kvroom.engine.params.structured import StructuredOutputsParams
 from kvroom.errors import ConfigError
-from kvroom.server.protocol import ApiError, ChatCompletionRequest, ChatTool
-from kvroom.server.tool_calls import (
+from kvroom.server.openai.protocol import ApiError, ChatCompletionRequest, ChatTool
+from kvroom.server.openai.tool_calls import (
     TOOL_CALL_PARSERS,
     HermesParser,
     ParsedOutput,

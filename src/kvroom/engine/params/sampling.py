@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from kvroom.engine.structured_params import StructuredOutputsParams
+from kvroom.engine.params.structured import StructuredOutputsParams
 from kvroom.errors import ConfigError
 
 MAX_LOGPROBS = 20

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvroom.engine.output import TokenLogprobs
+from kvroom.engine.sched.output import TokenLogprobs
 
 
 def token_logprobs(

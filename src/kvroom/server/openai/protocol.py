@@ -15,8 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvroom.engine.sampling import MAX_LOGPROBS
-from kvroom.server.responses import ErrorInfo, ErrorResponse
+from kvroom.engine.params.sampling import MAX_LOGPROBS
+from kvroom.server.openai.responses import ErrorInfo, ErrorResponse
 
 INT64_MAX = 2**63 - 1
 StopStr = Annotated[str, Field(min_length=1)]

@@ -14,9 +14,9 @@ import asyncio
 import re
 from typing import Any
 
-from kvroom.engine.structured_params import StructuredOutputError, StructuredOutputsParams
+from kvroom.engine.params.structured import StructuredOutputError, StructuredOutputsParams
 from kvroom.errors import ConfigError
-from kvroom.server.protocol import ApiError, ResponseFormat, StructuredOutputsRequest
+from kvroom.server.openai.protocol import ApiError, ResponseFormat, StructuredOutputsRequest
 
 _GUIDED = {
     "guided_json": "json",

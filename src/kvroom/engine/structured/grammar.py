@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from kvroom.engine.structured_params import StructuredOutputError, StructuredOutputsParams
+from kvroom.engine.params.structured import StructuredOutputError, StructuredOutputsParams
 
 DEFAULT_CACHE_SIZE = 256
 """Compiled grammars kept (LRU, per engine), on top of xgrammar's own cache."""

@@ -37,8 +37,8 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 
-from kvroom.engine.pool_migration import Migration, plan_migration, remap_tables
-from kvroom.engine.prefix_cache import BlockHash, PrefixCache, chain_hashes
+from kvroom.engine.kv.migration import Migration, plan_migration, remap_tables
+from kvroom.engine.kv.prefix_cache import BlockHash, PrefixCache, chain_hashes
 from kvroom.errors import ConfigError
 from kvroom.units import cdiv
 

@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from kvroom.server.prompts import chat_prompt_ids, check_token_ids, encode_text
-from kvroom.server.protocol import ApiError, ChatMessage, _Request
-from kvroom.server.serving import ServerState, json_response
+from kvroom.server.openai.prompts import chat_prompt_ids, check_token_ids, encode_text
+from kvroom.server.openai.protocol import ApiError, ChatMessage, _Request
+from kvroom.server.openai.serving import ServerState, json_response
 
 router = APIRouter()
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvroom.engine.block_manager import BlockManager
-from kvroom.engine.output import ScheduledSeq, SchedulerOutput
-from kvroom.engine.pool_migration import PoolResize
-from kvroom.engine.sequence import Sequence, SequenceStatus
-from kvroom.engine.sharing import Claim, claim_prefix, kv_is_token_function
+from kvroom.engine.kv.block_manager import BlockManager
+from kvroom.engine.kv.migration import PoolResize
+from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
+from kvroom.engine.sched.sequence import Sequence, SequenceStatus
+from kvroom.engine.sched.sharing import Claim, claim_prefix, kv_is_token_function
 from kvroom.errors import AdmissionError, ConfigError
 
 

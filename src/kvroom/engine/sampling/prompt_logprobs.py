@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvroom.engine.logprobs import token_logprobs
-from kvroom.engine.output import ScheduledSeq, TokenLogprobs
+from kvroom.engine.sampling.logprobs import token_logprobs
+from kvroom.engine.sched.output import ScheduledSeq, TokenLogprobs
 
 ROWS_PER_PASS = 256
 """Prompt rows whose logits are materialised at once."""

@@ -10,6 +10,8 @@ tables are rewritten, both between engine steps::
     after:           ids   0  1  2  3
                      used  a  a' b  c
 
+``ResizeResult`` is what one resize did, as logged and returned by the admin API.
+
 The plan exists only when the used blocks fit (``num_used <= N``); making them fit (preempting
 sequences) is the scheduler's decision, not this module's.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from kvroom.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,30 @@ class PoolResize:
     """(src, dst) block copies, every src >= to_blocks (a shrink only)."""
     preempted: tuple[int, ...] = ()
     """Sequences that lost their KV because the used blocks did not fit (newest first)."""
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """One live resize of the KV pool, as logged and returned by the admin API."""
+
+    from_blocks: int
+    to_blocks: int
+    num_moved_blocks: int
+    """Blocks whose K/V was copied to a lower id (a shrink)."""
+    num_preempted: int
+    """Sequences preempted (to be recomputed) because the used blocks did not fit."""
+    seconds: float
+
+    @classmethod
+    def of(cls, done: PoolResize, seconds: float) -> ResizeResult:
+        return cls(done.from_blocks, done.to_blocks, len(done.moves), len(done.preempted), seconds)
+
+
+def check_reserve(num_blocks: int, max_num_blocks: int) -> None:
+    """Raise ``ConfigError`` when a resize would go past the address space reserved."""
+    if num_blocks > max_num_blocks:
+        raise ConfigError(
+            f"kvcache_num_blocks: {num_blocks} is above the {max_num_blocks} blocks of address "
+            "space reserved at start-up; restart with a larger --kvcache-max-blocks (or "
+            "--kvcache-num-blocks) to go higher"
+        )

@@ -1,0 +1,1 @@
+"""What a request asks for: sampling and structured-output parameters (torch-free)."""

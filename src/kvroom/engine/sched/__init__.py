@@ -1,0 +1,1 @@
+"""Scheduling inside the pool: sequences, admission (shared blocks first), batching, preemption."""

@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding: compiled grammars and the step's token bitmasks (xgrammar)."""
