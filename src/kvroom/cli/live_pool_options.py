@@ -2,7 +2,7 @@
 
 ``--kvcache-num-blocks elastic`` starts at the memory estimate for this machine (clamped to
 ``[--kvcache-min-blocks, --kvcache-max-blocks]``; the minimum when the estimate does not fit)
-and then lets the elastic controller follow the memory (``engine/elastic.py``), keeping
+and then lets the elastic controller follow the memory (``engine/kv/elastic.py``), keeping
 ``--kvcache-reserve-memory`` free (1 GiB when that is 0).
 """
 

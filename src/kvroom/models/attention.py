@@ -11,7 +11,7 @@ SDPA call each, so the Python work per layer does not grow with the number of se
 All index tensors are built once per step (``attention_index.build_attention_metadata``) and
 shared by every layer of the same kind; the layer loop never syncs with the host.
 
-KV storage (owned by ``engine/kv_cache.py``), per layer, with ``E = [2, kv_heads, head_dim]``
+KV storage (owned by ``engine/kv/pool.py``), per layer, with ``E = [2, kv_heads, head_dim]``
 (K at ``[0]``, V at ``[1]``, so one ``index_copy_`` stores both)::
 
     full    layer: [num_blocks, block_size, *E]   position p of a seq -> block_table[p // bs],

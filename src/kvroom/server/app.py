@@ -78,7 +78,7 @@ def create_app(
     ``admin_key`` enables the admin routes (``server/admin.py``); ``elastic`` runs the elastic
     KV pool controller while the app runs; ``allowed_local_media_path``: the folder
     ``image_url`` parts may name local files in; ``tool_options``: vLLM's
-    ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (``server/tools.py``).
+    ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (``server/openai/tools.py``).
     """
     runtime = llm.runtime
     model = runtime.runner.model

@@ -1,4 +1,4 @@
-"""Sampling parameters, validated and torch-free; the sampler lives in ``engine/sampler.py``.
+"""Sampling parameters, validated and torch-free; the sampler is ``engine/sampling/sampler.py``.
 
 The names and meanings are vLLM's (``vllm.SamplingParams``), so a request that works there
 means the same here. Logprobs are those of the raw model output (``log_softmax`` of the
@@ -67,9 +67,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text."""
     structured_outputs: StructuredOutputsParams | None = None
-    """Constrain the output to a JSON schema, regex, choice or grammar (``engine/grammar.py``
-    compiles it, ``engine/structured.py`` masks the logits); the grammar decides where the
-    output ends, so neither ``min_tokens`` nor ``ignore_eos`` may be set with it."""
+    """Constrain the output to a JSON schema, regex, choice or grammar
+    (``engine/structured/grammar.py`` compiles it, ``engine/structured/masks.py`` masks the
+    logits); the grammar decides where the output ends, so neither ``min_tokens`` nor
+    ``ignore_eos`` may be set with it."""
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -2,8 +2,8 @@
 
 vLLM's ``StructuredOutputsParams`` (vLLM >= 0.11; ``GuidedDecodingParams`` before): exactly one
 of ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``. The grammar engine that
-turns it into token masks is ``engine/grammar.py``; this module only validates the shape, so
-``SamplingParams`` can carry it without importing xgrammar.
+turns it into token masks is ``engine/structured/grammar.py``; this module only validates the
+shape, so ``SamplingParams`` can carry it without importing xgrammar.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def sampling_params(
     structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's params for ``body``; ``max_tokens`` None means "up to max_seq_len";
-    ``structured``: the output's constraint (``server/structured.py``)."""
+    ``structured``: the output's constraint (``server/openai/structured.py``)."""
     if max_tokens is None:
         longest = max(len(p.token_ids) for p in prompts)
         max_tokens = s.max_seq_len - longest

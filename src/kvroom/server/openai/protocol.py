@@ -275,7 +275,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: NumLogprobs | None = None
     """With ``logprobs``: this many most likely alternatives per token."""
     tools: list[ChatTool] | None = None
-    """Functions the model may call; passed to the chat template (``server/tools.py``)."""
+    """Functions the model may call; passed to the chat template (``server/openai/tools.py``)."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default ``"auto"`` when ``tools`` are given, else ``"none"`` (vLLM)."""
     parallel_tool_calls: bool | None = None
