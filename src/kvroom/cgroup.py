@@ -107,13 +107,13 @@ def memory_pressure(root: Path = Path("/")) -> float | None:
     own = own_cgroup(root, version=2)
     files = [own.directory / "memory.pressure"] if own is not None else []
     for path in [*files, root / PROC_PSI_MEMORY]:
-        avg10 = parse_psi_some_avg10(_read_text(path))
+        avg10 = _psi_some_avg10(_read_text(path))
         if avg10 is not None:
             return avg10
     return None
 
 
-def parse_psi_some_avg10(text: str | None) -> float | None:
+def _psi_some_avg10(text: str | None) -> float | None:
     """``avg10`` of the ``some`` line of a PSI file, or None."""
     for line in (text or "").splitlines():
         if not line.startswith("some "):
@@ -147,8 +147,10 @@ def ancestry(own: CgroupDir) -> list[CgroupDir]:
 
 def _v2_limits(root: Path) -> list[CgroupLimit]:
     own = own_cgroup(root, version=2)
+    if own is None:
+        return []
     limits = []
-    for cgroup in ancestry(own) if own is not None else []:
+    for cgroup in ancestry(own):
         limit = _read_limit(cgroup.directory / "memory.max")
         if limit is not None:
             usage = _usage(cgroup.directory, "memory.current", "inactive_file")
