@@ -1,4 +1,4 @@
-"""The memory probe, against fake cgroup files and a fake psutil; CUDA through a fake torch."""
+"""The memory probe, against fake cgroup trees and a fake psutil; CUDA through a fake torch."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from cgroup_trees import (
+    V1_MEMORY,
+    V2,
+    V2_UNIFIED,
+    GiB,
+    MiB,
+    v1_files,
+    v2_files,
+    write_cgroup,
+    write_proc,
+)
 from kvroom import device
 from kvroom.device import TARGET_PROFILES, DeviceMemory, probe_cpu, resolve_device_memory
 from kvroom.errors import ConfigError
 
 RAM_AVAILABLE = 8 * 2**30
-V1_UNLIMITED = 9_223_372_036_854_771_712  # what cgroup v1 reports with no limit: 2**63 - 4096
 
 
 @pytest.fixture(autouse=True)
@@ -24,70 +34,54 @@ def fake_ram(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=RAM_AVAILABLE))
 
 
-@pytest.fixture
-def cgroup(tmp_path: Path):
-    """Write fake cgroup files; return probe_cpu bound to them (files not written do not exist)."""
-    paths = {
-        "v2_max": tmp_path / "memory.max",
-        "v2_current": tmp_path / "memory.current",
-        "v1_limit": tmp_path / "memory.limit_in_bytes",
-        "v1_usage": tmp_path / "memory.usage_in_bytes",
-    }
-
-    def probe(**contents: str) -> DeviceMemory:
-        for name, text in contents.items():
-            paths[name].write_text(text)
-        return probe_cpu(**paths)
-
-    return probe
+def test_v2_limit_minus_current(tmp_path: Path) -> None:
+    write_proc(tmp_path, ["0::/kvtest"], [V2])
+    write_cgroup(tmp_path, "/sys/fs/cgroup/kvtest", v2_files(2 * GiB, 512 * MiB))
+    expected = DeviceMemory(1536 * MiB, "cgroup-v2 /kvtest, limit 2.00 GiB")
+    assert probe_cpu(tmp_path) == expected
 
 
-def test_v2_limit_minus_current(cgroup) -> None:
-    got = cgroup(v2_max=f"{2 * 2**30}\n", v2_current=f"{512 * 2**20}\n")
-    assert got == DeviceMemory(1536 * 2**20, "cgroup-v2")  # 2 GiB - 512 MiB
+def test_v1_limit_of_the_own_cgroup(tmp_path: Path) -> None:
+    write_proc(tmp_path, ["4:memory:/kvtest", "0::/"], [V1_MEMORY, V2_UNIFIED])
+    write_cgroup(tmp_path, "/sys/fs/cgroup/memory", v1_files(None, 5 * GiB))
+    write_cgroup(tmp_path, "/sys/fs/cgroup/memory/kvtest", v1_files(3 * GiB, GiB))
+    expected = DeviceMemory(2 * GiB, "cgroup-v1 /kvtest, limit 3.00 GiB")
+    assert probe_cpu(tmp_path) == expected
 
 
-def test_v2_without_current_is_the_limit(cgroup) -> None:
-    assert cgroup(v2_max=f"{2**30}\n") == DeviceMemory(2**30, "cgroup-v2")
+def test_limit_above_ram_gives_ram(tmp_path: Path) -> None:
+    write_proc(tmp_path, ["0::/kvtest"], [V2])
+    write_cgroup(tmp_path, "/sys/fs/cgroup/kvtest", v2_files(16 * GiB, 0))
+    assert probe_cpu(tmp_path) == DeviceMemory(RAM_AVAILABLE, "psutil")  # 16 GiB > 8 GiB RAM
 
 
-def test_v2_usage_above_limit_is_zero(cgroup) -> None:
-    assert cgroup(v2_max="1000\n", v2_current="1500\n") == DeviceMemory(0, "cgroup-v2")
+def test_v2_max_means_no_limit(tmp_path: Path) -> None:
+    write_proc(tmp_path, ["0::/kvtest"], [V2])
+    write_cgroup(tmp_path, "/sys/fs/cgroup/kvtest", v2_files(None, 12345))
+    assert probe_cpu(tmp_path) == DeviceMemory(RAM_AVAILABLE, "psutil")
 
 
-def test_v2_limit_above_ram_gives_ram(cgroup) -> None:
-    got = cgroup(v2_max=f"{16 * 2**30}\n", v2_current="0\n")
-    assert got == DeviceMemory(RAM_AVAILABLE, "psutil")  # 16 GiB headroom > 8 GiB RAM
-
-
-def test_v2_max_means_no_limit(cgroup) -> None:
-    assert cgroup(v2_max="max\n", v2_current="12345\n") == DeviceMemory(RAM_AVAILABLE, "psutil")
-
-
-def test_v2_max_falls_back_to_v1(cgroup) -> None:
-    got = cgroup(v2_max="max\n", v1_limit=f"{3 * 2**30}\n", v1_usage=f"{2**30}\n")
-    assert got == DeviceMemory(2 * 2**30, "cgroup-v1")  # 3 GiB - 1 GiB
-
-
-def test_v1_limit(cgroup) -> None:
-    got = cgroup(v1_limit=f"{3 * 2**30}\n", v1_usage=f"{2**30}\n")
-    assert got == DeviceMemory(2 * 2**30, "cgroup-v1")
-
-
-def test_v1_unlimited_gives_psutil(cgroup, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_v1_unlimited_gives_psutil(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # RAM above the "unlimited" value, so only recognising it as "no limit" gives psutil
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**63))
-    got = cgroup(v1_limit=f"{V1_UNLIMITED}\n", v1_usage=f"{2**30}\n")
-    assert got == DeviceMemory(2**63, "psutil")
+    write_proc(tmp_path, ["4:memory:/kvtest"], [V1_MEMORY])
+    write_cgroup(tmp_path, "/sys/fs/cgroup/memory/kvtest", v1_files(None, GiB))
+    assert probe_cpu(tmp_path) == DeviceMemory(2**63, "psutil")
 
 
-def test_v2_wins_over_v1(cgroup) -> None:
-    got = cgroup(v2_max=f"{2**30}\n", v1_limit=f"{2**29}\n")
-    assert got == DeviceMemory(2**30, "cgroup-v2")
+def test_a_limit_on_the_namespace_root_only_is_not_taken_for_the_own_cgroup(
+    tmp_path: Path,
+) -> None:
+    """The old probe read ``/sys/fs/cgroup/memory.max``; the process's own cgroup is elsewhere."""
+    write_proc(tmp_path, ["0::/kvtest"], [V2])
+    write_cgroup(tmp_path, "/sys/fs/cgroup/other", v2_files(GiB, 0))
+    write_cgroup(tmp_path, "/sys/fs/cgroup/kvtest", v2_files(2 * GiB, 0))
+    expected = DeviceMemory(2 * GiB, "cgroup-v2 /kvtest, limit 2.00 GiB")
+    assert probe_cpu(tmp_path) == expected
 
 
-def test_no_cgroup_files_gives_psutil(cgroup) -> None:
-    assert cgroup() == DeviceMemory(RAM_AVAILABLE, "psutil")
+def test_no_cgroup_files_gives_psutil(tmp_path: Path) -> None:
+    assert probe_cpu(tmp_path) == DeviceMemory(RAM_AVAILABLE, "psutil")
 
 
 # -- explicit sizes and profiles -------------------------------------------------------------------
@@ -136,8 +130,9 @@ def test_unknown_profile_lists_profiles() -> None:
 
 
 def test_none_probes_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "probe_cpu", lambda: DeviceMemory(5, "cgroup-v2"))
-    assert resolve_device_memory("cpu", None) == DeviceMemory(5, "cgroup-v2")
+    probed = DeviceMemory(5, "cgroup-v2 /kvtest, limit 5 B")
+    monkeypatch.setattr(device, "probe_cpu", lambda: probed)
+    assert resolve_device_memory("cpu", None) == probed
 
 
 # -- CUDA (a fake torch module: no real torch import, no GPU) --------------------------------------

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from kvroom import device
+from kvroom.device import DeviceMemory
+from kvroom.engine.kv import elastic
 from kvroom.engine.kv.elastic import (
     ElasticController,
     ElasticPolicy,
     MemorySample,
     decide,
-    read_pressure,
+    sample_memory,
 )
 from kvroom.errors import ConfigError
 
@@ -85,11 +86,13 @@ def test_bad_bounds_are_config_errors() -> None:
         ElasticPolicy(min_num_blocks=20, max_num_blocks=10, bytes_per_block=1)
 
 
-def test_psi_is_read_where_present(tmp_path: Path) -> None:
-    psi = tmp_path / "memory.pressure"
-    psi.write_text("some avg10=12.50 avg60=3.00 avg300=1.00 total=99\nfull avg10=1.00\n")
-    assert read_pressure((tmp_path / "missing", psi)) == 12.5
-    assert read_pressure((tmp_path / "missing",)) is None
+def test_the_sample_is_the_cgroup_probe_and_its_pressure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    probed = DeviceMemory(1536 * MiB, "cgroup-v1 /kvtest, limit 2.00 GiB")
+    monkeypatch.setattr(device, "probe_cpu", lambda: probed)
+    monkeypatch.setattr(elastic, "memory_pressure", lambda: 12.5)
+    assert sample_memory() == MemorySample(1536 * MiB, probed.source, 12.5)
 
 
 def test_controller_samples_and_applies_through_the_injected_pieces() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -415,6 +416,18 @@ def test_plan_table_shows_measured_runtime(tiny_plan: MemoryPlan) -> None:
     rows = _rows(plan_table(tiny_plan.with_measured_runtime(42_000)))
     assert rows["- runtime buffers (measured)"] == "41.02 KiB"  # 42_000 / 1024
     assert rows["= blocks that fit"] == "12"
+
+
+@pytest.mark.parametrize(
+    ("source", "label"),
+    [
+        ("cgroup-v1 /kvtest, limit 2.00 GiB", "device memory (cgroup-v1 /kvtest, limit 2.00 GiB)"),
+        ("psutil", "device memory (cpu, psutil)"),
+    ],
+)
+def test_plan_table_names_the_memory_source(tiny_plan: MemoryPlan, source: str, label: str) -> None:
+    plan = dataclasses.replace(tiny_plan, device_memory_source=source)
+    assert _rows(plan_table(plan))[label] == "188.08 KiB"
 
 
 def test_to_dict_round_trip(tiny_plan: MemoryPlan) -> None:

@@ -14,7 +14,7 @@ def plan_table(plan: MemoryPlan) -> str:
     measured = plan.runtime_bytes if plan.measured else plan.measured_runtime_bytes
     rows = [
         (
-            f"device memory ({plan.device}, {plan.device_memory_source})",
+            f"device memory ({_memory_source(plan)})",
             format_bytes(plan.device_memory_bytes),
         ),
         (
@@ -101,3 +101,9 @@ def terms_table(plan: MemoryPlan) -> str:
     width = max(len(r[0]) for r in rows)
     head = f"{'non-KV memory at peak':<{width}}  {'formula':>12}  {'measured':>12}"
     return "\n".join([head] + [f"{a:<{width}}  {b:>12}  {c:>12}" for a, b, c in rows])
+
+
+def _memory_source(plan: MemoryPlan) -> str:
+    """``cpu, psutil``; a cgroup limit names itself alone (only a CPU has one)."""
+    source = plan.device_memory_source
+    return source if source.startswith("cgroup-") else f"{plan.device}, {source}"

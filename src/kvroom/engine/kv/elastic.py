@@ -14,10 +14,10 @@ The band (``slack = available - reserve``, ``H = hysteresis_bytes``)::
                        under pressure (a grow's pages are faulted in over the next seconds,
                        so the probe sees them late)
 
-Always clamped to ``[min_num_blocks, max_num_blocks]``. Memory available is the cgroup v2
-headroom (``memory.max - memory.current``) where there is a limit, else ``MemAvailable``
-(``device.probe_cpu``); pressure is PSI ``memory.pressure`` (cgroup, else ``/proc``), where
-the kernel has it.
+Always clamped to ``[min_num_blocks, max_num_blocks]``. Memory available is the headroom under
+the tightest limit of this process's own cgroup and its ancestors, capped by ``MemAvailable``
+(``device.probe_cpu``); pressure is PSI ``memory.pressure`` of the process's own v2 cgroup,
+else the machine's ``/proc/pressure/memory``, where the kernel has it (``kvroom.cgroup``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from kvroom.cgroup import memory_pressure
 from kvroom.errors import ConfigError
 
 logger = logging.getLogger("kvroom")
@@ -36,7 +36,6 @@ logger = logging.getLogger("kvroom")
 DEFAULT_RESERVE_BYTES = 1 * 2**30
 """Kept free when the artifact's ``kvcache_reserve_memory`` is 0."""
 DEFAULT_HYSTERESIS_BYTES = 256 * 2**20
-PSI_FILES = (Path("/sys/fs/cgroup/memory.pressure"), Path("/proc/pressure/memory"))
 
 
 @dataclass(frozen=True)
@@ -116,25 +115,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def read_pressure(files: tuple[Path, ...] = PSI_FILES) -> float | None:
-    """PSI ``some avg10`` of the first readable file, or None (no PSI here)."""
-    for path in files:
-        try:
-            first = path.read_text().splitlines()[0]
-        except (OSError, IndexError):
-            continue
-        fields = dict(f.split("=", 1) for f in first.split()[1:] if "=" in f)
-        if "avg10" in fields:
-            return float(fields["avg10"])
-    return None
-
-
 def sample_memory() -> MemorySample:
-    """The machine now: cgroup v2 headroom or MemAvailable, and PSI pressure."""
+    """The machine now: the process's cgroup headroom or MemAvailable, and PSI pressure."""
     from kvroom.device import probe_cpu
 
     memory = probe_cpu()
-    return MemorySample(memory.available_bytes, memory.source, read_pressure())
+    return MemorySample(memory.available_bytes, memory.source, memory_pressure())
 
 
 class ElasticController:

@@ -1,0 +1,98 @@
+"""``kvroom plan`` inside a real memory cgroup plans for that cgroup's limit, not the host's RAM.
+
+The test makes a child of its own memory cgroup (v1 or v2, whichever holds the memory
+controller) with a 2 GiB limit, starts ``kvroom plan smollm2-135m`` in it and removes it after.
+It needs root and a writable memory controller; elsewhere it skips and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvroom.cgroup import CgroupDir, own_cgroup
+from kvroom.units import parse_bytes
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+LIMIT_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class ChildCgroup:
+    version: int
+    path: str
+    """As ``/proc/self/cgroup`` names it, and so as the plan should."""
+    directory: Path
+
+
+@pytest.fixture
+def child_cgroup() -> Iterator[ChildCgroup]:
+    version, own = _own_memory_cgroup()
+    name = f"kvroom-test-{os.getpid()}"
+    directory = own.directory / name
+    try:
+        directory.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup under {own.directory}: {exc}")
+    try:
+        limit_file = "memory.limit_in_bytes" if version == 1 else "memory.max"
+        try:
+            (directory / limit_file).write_text(f"{LIMIT_BYTES}\n")
+        except OSError as exc:
+            pytest.skip(f"cannot set {directory / limit_file}: {exc}")
+        yield ChildCgroup(version, f"{own.path.rstrip('/')}/{name}", directory)
+    finally:
+        directory.rmdir()
+
+
+def _own_memory_cgroup() -> tuple[int, CgroupDir]:
+    v1 = own_cgroup(Path("/"), version=1)
+    if v1 is not None:
+        return 1, v1
+    v2 = own_cgroup(Path("/"), version=2)
+    if v2 is None:
+        pytest.skip("no cgroup v1 memory or cgroup v2 hierarchy is mounted here")
+    subtree = v2.directory / "cgroup.subtree_control"
+    try:
+        if "memory" not in subtree.read_text().split():
+            subtree.write_text("+memory\n")
+    except OSError as exc:
+        pytest.skip(f"cannot enable the v2 memory controller in {subtree}: {exc}")
+    return 2, v2
+
+
+def test_plan_inside_a_2gib_cgroup_plans_for_2gib(child_cgroup: ChildCgroup) -> None:
+    pytest.importorskip("gguf")
+    join_then_plan = 'echo $$ > "$0" && exec "$@"'
+    done = subprocess.run(
+        ["sh", "-c", join_then_plan, str(child_cgroup.directory / "cgroup.procs")]
+        + [sys.executable, "-m", "kvroom", "plan", "smollm2-135m"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = _rows(done.stdout)
+    label = f"device memory (cgroup-v{child_cgroup.version} {child_cgroup.path}, limit 2.00 GiB)"
+    assert label in rows, done.stdout
+    assert 0 < parse_bytes(rows[label].replace(" ", "")) <= LIMIT_BYTES
+    pool = rows["KV pool"].split(", ")[1]  # "N tokens, X GiB"
+    assert parse_bytes(pool.replace(" ", "")) < LIMIT_BYTES
+
+
+def _rows(table: str) -> dict[str, str]:
+    """``label   value`` lines of the plan table."""
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"^(.*?\S)\s{2,}(\S.*)$", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    return rows
