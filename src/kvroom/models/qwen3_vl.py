@@ -4,7 +4,8 @@
   ``model.language_model.``;
 * M-RoPE: every token has (time, height, width) positions; rotary pair ``i`` turns by the
   axis ``mrope_axes[i]`` (interleaved sections, as ``Qwen3VLTextRotaryEmbedding`` lays them
-  out). Text tokens have the same position on all axes, which is plain rotary;
+  out; like it, kvroom interleaves whatever ``mrope_interleaved`` says). Text tokens have the
+  same position on all axes, which is plain rotary;
 * image placeholder rows take the vision encoder's features, and its deepstack features are
   added to the image rows after each of the first decoder layers;
 * the vision tower is transformers' own ``Qwen3VLVisionModel`` (``vision.py``), run on the

@@ -3,7 +3,8 @@
 The prompt holds ``<|vision_start|><|image_pad|><|vision_end|>`` once per image; each
 ``<|image_pad|>`` is expanded to the image's token count (``t x h x w / merge^2``), as vLLM and
 transformers' processor do. Images are preprocessed by the model's own PIL image processor
-(``Qwen2VLImageProcessorPil``: no torchvision), resized to at most ``max_image_pixels``.
+(``Qwen2VLImageProcessorPil``: no torchvision), with its config and its ``min_pixels``, and
+``max_pixels`` capped at ``max_image_pixels`` (``plan.vision.image_budget``).
 
 M-RoPE positions follow ``Qwen3VLModel.get_rope_index``: text tokens advance all three axes
 together; an image's tokens sit at ``(start, start + row, start + col)`` on its merged grid,
@@ -44,23 +45,30 @@ class ImageTokens:
 
 
 def load_image_processor(folder: Path, max_image_pixels: int, hf_config: Any) -> Any:
-    """The artifact's image processor (``preprocessor_config.json`` if present), capped at
-    ``max_image_pixels``."""
+    """The image processor of ``folder`` (its config in ``preprocessor_config.json`` or, as
+    transformers 5 saves it, ``processor_config.json``; its defaults without one), resizing to
+    the plan's ``image_budget``: its own ``min_pixels``, and ``max_pixels`` capped at
+    ``max_image_pixels``.
+
+    Raises:
+        ConfigError: ``max_image_pixels`` is below the processor's ``min_pixels``.
+        ModelSourceError: a processor config that cannot be read.
+    """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
+    from kvroom.model_spec import VisionSpec
+    from kvroom.plan.vision import image_budget
+    from kvroom.sources import read_image_processor_config
+
     v = hf_config.vision_config
+    config = read_image_processor_config(Path(folder))
+    budget = image_budget(VisionSpec.from_hf(v.to_dict(), config), max_image_pixels)
     kwargs = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size}
     kwargs["merge_size"] = v.spatial_merge_size
-    file = Path(folder) / "preprocessor_config.json"
-    if file.is_file():
-        proc = Qwen2VLImageProcessorPil.from_pretrained(str(folder), **kwargs)
-    else:
-        proc = Qwen2VLImageProcessorPil(**kwargs)
-    unit = (v.patch_size * v.spatial_merge_size) ** 2
-    longest = min(max_image_pixels, int(proc.size.get("longest_edge") or max_image_pixels))
-    proc.size = {"shortest_edge": min(unit, longest), "longest_edge": longest}
+    proc = Qwen2VLImageProcessorPil.from_dict(dict(config or {}), **kwargs)
+    proc.size = {"shortest_edge": budget.min_pixels, "longest_edge": budget.max_pixels}
     for name in ("min_pixels", "max_pixels"):  # deprecated spellings would override ``size``
         if hasattr(proc, name):
             setattr(proc, name, None)
