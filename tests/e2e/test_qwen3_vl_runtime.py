@@ -177,6 +177,7 @@ def test_config_pair_never_saves_the_adjuster(vl_dir: Path, tmp_path: Path) -> N
         ({"image": [image(8, 8)] * 3}, "3 images, more than max_images_per_request=2"),
         ({"video": b""}, "only 'image' is supported"),
         ({"image": [image(8, 8)] * 2}, "2 image.s. but the prompt has 1"),
+        ({"image": image(4000, 20)}, "image 0 takes 56 tokens .*more than the 16 per image"),
     ],
 )
 def test_bad_image_input_is_a_value_error(llm: LLM, data: dict, message: str) -> None:

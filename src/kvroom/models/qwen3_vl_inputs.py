@@ -23,6 +23,7 @@ import torch
 
 from kvroom.errors import ConfigError
 from kvroom.models.multimodal import ImageInput, MultimodalInputs
+from kvroom.plan.vision import ImageBudget, image_budget
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,11 @@ def load_image_processor(folder: Path, max_image_pixels: int, hf_config: Any) ->
         Qwen2VLImageProcessorPil,
     )
 
-    from kvroom.model_spec import VisionSpec
-    from kvroom.plan.vision import image_budget
     from kvroom.sources import read_image_processor_config
 
     v = hf_config.vision_config
     config = read_image_processor_config(Path(folder))
-    budget = image_budget(VisionSpec.from_hf(v.to_dict(), config), max_image_pixels)
+    budget = folder_image_budget(folder, max_image_pixels, hf_config)
     kwargs = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size}
     kwargs["merge_size"] = v.spatial_merge_size
     proc = Qwen2VLImageProcessorPil.from_dict(dict(config or {}), **kwargs)
@@ -73,6 +72,36 @@ def load_image_processor(folder: Path, max_image_pixels: int, hf_config: Any) ->
         if hasattr(proc, name):
             setattr(proc, name, None)
     return proc
+
+
+def folder_image_budget(folder: Path, max_image_pixels: int, hf_config: Any) -> ImageBudget:
+    """The plan's ``image_budget`` for the image processor config in ``folder``."""
+    from kvroom.model_spec import VisionSpec
+    from kvroom.sources import read_image_processor_config
+
+    config = read_image_processor_config(Path(folder))
+    vision = VisionSpec.from_hf(hf_config.vision_config.to_dict(), config)
+    return image_budget(vision, max_image_pixels)
+
+
+def check_image_tokens(images: Sequence[ImageInput], max_tokens: int) -> None:
+    """Every image within the tokens per image the plan holds.
+
+    The processor keeps an image's pixels under its ``max_pixels``, but not always its tokens:
+    it never makes a side shorter than one token, so a very long, thin image (aspect ratio up
+    to 200) can take several times ``max_pixels / (patch x merge)^2``.
+
+    Raises:
+        ConfigError: an image takes more than ``max_tokens`` tokens.
+    """
+    for i, image in enumerate(images):
+        if image.num_tokens > max_tokens:
+            _, h, w = image.grid_thw
+            raise ConfigError(
+                f"multi_modal_data: image {i} takes {image.num_tokens} tokens after the "
+                f"processor's resize ({h}x{w} patches), more than the {max_tokens} per image "
+                "the plan holds; crop it closer to square"
+            )
 
 
 def preprocess(images: Sequence[Any], processor: Any) -> list[ImageInput]:

@@ -11,7 +11,10 @@ of the two, patch ``p``, spatial merge ``m``, ``a`` = activation dtype bytes::
     encoder_cache      = encoder_cache_images x tokens_per_image x out_hidden x (1 + deepstack) x a
 
 ``vision_bytes = encoder_peak + encoder_cache``: one image is encoded at a time, and the cache
-holds at most ``encoder_cache_images`` outputs, so both are bounded constants of the plan.
+holds at most ``encoder_cache_images`` outputs, so both are bounded constants of the plan. The
+processor never makes a side shorter than one token, so a long, thin image may resize to more
+tokens than ``tokens_per_image``; the runtime refuses it (``check_image_tokens``) rather than
+planning every image for that case.
 """
 
 from __future__ import annotations
