@@ -63,7 +63,7 @@ def load_image_processor(folder: Path, max_image_pixels: int, hf_config: Any) ->
 
     v = hf_config.vision_config
     config = read_image_processor_config(Path(folder))
-    budget = folder_image_budget(folder, max_image_pixels, hf_config)
+    budget = _image_budget(config, max_image_pixels, hf_config)
     kwargs = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size}
     kwargs["merge_size"] = v.spatial_merge_size
     proc = Qwen2VLImageProcessorPil.from_dict(dict(config or {}), **kwargs)
@@ -76,10 +76,16 @@ def load_image_processor(folder: Path, max_image_pixels: int, hf_config: Any) ->
 
 def folder_image_budget(folder: Path, max_image_pixels: int, hf_config: Any) -> ImageBudget:
     """The plan's ``image_budget`` for the image processor config in ``folder``."""
-    from kvroom.model_spec import VisionSpec
     from kvroom.sources import read_image_processor_config
 
-    config = read_image_processor_config(Path(folder))
+    return _image_budget(read_image_processor_config(Path(folder)), max_image_pixels, hf_config)
+
+
+def _image_budget(
+    config: dict[str, Any] | None, max_image_pixels: int, hf_config: Any
+) -> ImageBudget:
+    from kvroom.model_spec import VisionSpec
+
     vision = VisionSpec.from_hf(hf_config.vision_config.to_dict(), config)
     return image_budget(vision, max_image_pixels)
 
