@@ -256,16 +256,24 @@ QWEN3_VL_VISION: dict[str, Any] = {
 }
 QWEN3_VL_MAX_PIXELS = 64 * 64
 """The tiny processor's ``max_pixels``: at most (64 / 16)^2 = 16 tokens per image."""
+QWEN3_VL_MIN_PIXELS = 16 * 16
+"""The tiny processor's ``min_pixels``: one token."""
 
 
-def write_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
+def write_tiny_qwen3_vl(
+    path: str | Path, *, seed: int = 0, processor_file: str = "processor_config.json"
+) -> Path:
     """A tiny ``Qwen3VLForConditionalGeneration`` folder with its image processor config; the
-    tokenizer knows ``QWEN3_VL_SPECIAL`` (ids 300..303)."""
+    tokenizer knows ``QWEN3_VL_SPECIAL`` (ids 300..303).
+
+    The weights are drawn wider than transformers' init (``spread_weights``), so the greedy
+    tokens have clear margins and depend on every input. The image processor normalises as
+    Qwen3-VL's does (mean and std 0.5, not the Qwen2-VL class defaults) and is written as
+    transformers 5 saves a processor (``processor_config.json``, the image part under
+    ``image_processor``), or with ``processor_file="preprocessor_config.json"`` alone, as
+    transformers 4 did."""
     import torch
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     ids = dict(zip(("vision_start", "image", "vision_end", "video"), range(300, 304), strict=True))
     config = transformers.Qwen3VLConfig(
@@ -280,6 +288,7 @@ def write_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+        spread_weights(model)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
@@ -287,10 +296,51 @@ def write_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
     tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE)
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN3_VL_SPECIAL)})
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(
-        patch_size=8,
-        temporal_patch_size=2,
-        merge_size=2,
-        size={"shortest_edge": 16 * 16, "longest_edge": QWEN3_VL_MAX_PIXELS},
-    ).save_pretrained(path)
+    write_qwen3_vl_processor(path, QWEN3_VL_VISION, QWEN3_VL_MAX_PIXELS, processor_file)
     return path
+
+
+def spread_weights(model: Any) -> None:
+    """Redraw ``model``'s weights in place: matrices N(0, 0.25), norm weights 1 + N(0, 0.2),
+    the rest N(0, 0.2). Attention is then far from uniform, so a wrong position, mask or
+    feature moves the logits by far more than rounding does."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if "norm" in name and p.dim() == 1 and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.25)
+            elif p.is_floating_point():
+                p.normal_(0.0, 0.2)
+
+
+def write_qwen3_vl_processor(
+    path: str | Path,
+    vision: dict[str, Any],
+    max_pixels: int,
+    processor_file: str = "processor_config.json",
+    min_pixels: int = QWEN3_VL_MIN_PIXELS,
+) -> None:
+    """Write a Qwen3-VL image processor config for the tower ``vision`` to ``path``: alone in
+    ``preprocessor_config.json``, or under ``image_processor`` in ``processor_config.json``."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        merge_size=vision["spatial_merge_size"],
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    if processor_file == "preprocessor_config.json":
+        processor.save_pretrained(path)
+        return
+    doc = {"image_processor": processor.to_dict(), "processor_class": "Qwen3VLProcessor"}
+    (Path(path) / processor_file).write_text(json.dumps(doc, indent=2, default=int))

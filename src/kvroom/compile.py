@@ -72,7 +72,7 @@ def plan_model(
         ModelSourceError, ConfigError, MemoryNotEnoughError, AdjusterError.
     """
     source = resolve_source(model)
-    spec = ModelSpec.from_hf_config(source.hf_config)
+    spec = ModelSpec.from_hf_config(source.hf_config, source.image_processor)
     cfg = as_config(config, spec.architecture)
     memory = resolve_device_memory(cfg.device, cfg.device_memory)
     plan = compute_plan(spec, cfg, num_parameters=source.num_parameters, memory=memory)

@@ -1,5 +1,9 @@
 """Images in: a PIL image, bytes, a local path or a ``data:`` URL -> a decoded RGB PIL image.
 
+Transparency is composited onto white, as transformers' image processors do (``convert_to_rgb``),
+so a PNG with an alpha channel reaches the vision tower as it reaches transformers' (dropping
+the alpha channel instead would show the vision tower what lies under transparent pixels).
+
 Nothing here fetches from the network; the server decides which local paths a request may
 name (``--allowed-local-media-path``) before it calls ``load_image``.
 """
@@ -30,7 +34,7 @@ def load_image(item: Any) -> Any:
     from PIL import Image
 
     if isinstance(item, Image.Image):
-        return item.convert("RGB")
+        return to_rgb(item)
     if isinstance(item, bytes | bytearray):
         return _decode(bytes(item), "image bytes")
     if isinstance(item, str) and item.startswith("data:"):
@@ -45,6 +49,17 @@ def load_image(item: Any) -> Any:
     raise ConfigError(
         f"image: expected a PIL image, bytes, a path or a data: URL, got {type(item).__name__}"
     )
+
+
+def to_rgb(image: Any) -> Any:
+    """``image`` as RGB, transparent pixels composited onto white."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
 
 
 def decode_data_url(url: str) -> bytes:
@@ -72,7 +87,7 @@ def _decode(data: bytes, what: str) -> Any:
             raise ConfigError(
                 f"{what}: unsupported image format {fmt}; supported: {', '.join(SUPPORTED_FORMATS)}"
             )
-        return image.convert("RGB")
+        return to_rgb(image)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise

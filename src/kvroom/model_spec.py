@@ -38,6 +38,10 @@ _TEXT_CONFIG_TYPES = ("gemma4", "qwen3_vl")
 
 LayerKind = Literal["full", "sliding"]
 
+PROCESSOR_MIN_PIXELS = 56 * 56
+PROCESSOR_MAX_PIXELS = 28 * 28 * 1280
+"""Size limits of transformers' Qwen2-VL image processor where its config names none."""
+
 
 @dataclass(frozen=True)
 class VisionSpec:
@@ -53,9 +57,20 @@ class VisionSpec:
     out_hidden_size: int
     num_deepstack: int
     """Early decoder layers that get deepstack features (one ``[tokens, out_hidden]`` each)."""
+    processor_min_pixels: int = PROCESSOR_MIN_PIXELS
+    """The image processor's ``min_pixels`` (``size.shortest_edge``): smaller images are scaled
+    up to it."""
+    processor_max_pixels: int = PROCESSOR_MAX_PIXELS
+    """The image processor's ``max_pixels`` (``size.longest_edge``): larger images are scaled
+    down to it."""
 
     @classmethod
-    def from_hf(cls, v: Mapping[str, Any]) -> VisionSpec:
+    def from_hf(
+        cls, v: Mapping[str, Any], image_processor: Mapping[str, Any] | None = None
+    ) -> VisionSpec:
+        """From the ``vision_config`` and the image processor's config (None: the processor's
+        defaults, as transformers builds it without a config file)."""
+        low, high = _processor_pixels(image_processor or {})
         return cls(
             hidden_size=int(v.get("hidden_size", 1152)),
             intermediate_size=int(v.get("intermediate_size", 4304)),
@@ -66,7 +81,23 @@ class VisionSpec:
             spatial_merge_size=int(v.get("spatial_merge_size", 2)),
             out_hidden_size=int(v.get("out_hidden_size", 3584)),
             num_deepstack=len(v.get("deepstack_visual_indexes", (8, 16, 24))),
+            processor_min_pixels=low,
+            processor_max_pixels=high,
         )
+
+
+def _processor_pixels(proc: Mapping[str, Any]) -> tuple[int, int]:
+    """(min, max) pixels of an image processor config: ``min_pixels``/``max_pixels`` at the top
+    override ``size``'s ``shortest_edge``/``longest_edge`` (as transformers applies them)."""
+    size = proc.get("size") or {}
+    low = proc.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+    high = proc.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    pixels = (low or PROCESSOR_MIN_PIXELS, high or PROCESSOR_MAX_PIXELS)
+    if not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pixels):
+        raise ModelSourceError(
+            f"image processor config: min_pixels/max_pixels must be positive ints, got {pixels}"
+        )
+    return pixels
 
 
 @dataclass(frozen=True)
@@ -160,15 +191,20 @@ class ModelSpec:
             )
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelSpec:
-        """Build from a ``config.json`` mapping.
+    def from_hf_config(
+        cls, cfg: Mapping[str, Any], image_processor: Mapping[str, Any] | None = None
+    ) -> ModelSpec:
+        """Build from a ``config.json`` mapping (and, for a model that takes images, its image
+        processor's config: ``sources.read_image_processor_config``).
 
         Raises:
             ModelSourceError: the architecture is not supported (the message lists those that are).
         """
         architecture = _architecture_of(cfg)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
-        vision = VisionSpec.from_hf(cfg["vision_config"]) if model_type == "qwen3_vl" else None
+        vision = None
+        if model_type == "qwen3_vl":
+            vision = VisionSpec.from_hf(cfg["vision_config"], image_processor)
         if model_type in _TEXT_CONFIG_TYPES:
             cfg = _text_config(cfg)
             model_type = str(cfg.get("model_type") or f"{model_type}_text")

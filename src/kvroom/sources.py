@@ -34,6 +34,8 @@ class ModelSource:
     hf_config: dict[str, Any]
     num_parameters: int
     """Parameters counted from tensor headers, tied embeddings once."""
+    image_processor: dict[str, Any] | None = None
+    """The image processor's config (``read_image_processor_config``), None if there is none."""
 
     @property
     def hf_kwargs(self) -> dict[str, Any]:
@@ -93,7 +95,37 @@ def _from_folder(name: str, folder: Path) -> ModelSource:
     if not files:
         raise ModelSourceError(f"model {name!r}: no *.safetensors weights in {folder}")
     tied = bool(hf_config.get("tie_word_embeddings", hf_config.get("model_type") == "gemma3_text"))
-    return ModelSource(name, folder, None, hf_config, count_safetensors_parameters(files, tied))
+    num_parameters = count_safetensors_parameters(files, tied)
+    processor = read_image_processor_config(folder)
+    return ModelSource(name, folder, None, hf_config, num_parameters, processor)
+
+
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""Where a folder keeps its image processor's config: transformers 4 wrote it alone to the
+first; transformers 5 writes the whole processor to the second, the image part under
+``image_processor``."""
+
+
+def read_image_processor_config(folder: Path) -> dict[str, Any] | None:
+    """The image processor's config in ``folder`` (the first file that holds one), or None.
+
+    Raises:
+        ModelSourceError: a processor file is not a JSON object.
+    """
+    for name in IMAGE_PROCESSOR_FILES:
+        file = Path(folder) / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelSourceError(f"cannot read {file}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ModelSourceError(f"{file} does not hold a JSON object")
+        section = data.get("image_processor", data if name == IMAGE_PROCESSOR_FILES[0] else None)
+        if isinstance(section, dict):
+            return section
+    return None
 
 
 def count_safetensors_parameters(files: list[Path], tied_embeddings: bool) -> int:

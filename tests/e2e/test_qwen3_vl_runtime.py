@@ -4,21 +4,31 @@ terms, the config pair's exclusions, and every kind of bad image input."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import transformers
 from PIL import Image
 
+from kernel_paths import kernel_path  # noqa: F401 - a fixture
+from kvroom.cli import main
+from kvroom.compile import plan_model
 from kvroom.config import Qwen3VLForConditionalGenerationConfig, Qwen3VLModelConfig
 from kvroom.engine.params.sampling import SamplingParams
-from kvroom.errors import AdmissionError
+from kvroom.errors import AdmissionError, ConfigError
 from kvroom.llm import LLM
-from tiny_models import QWEN3_VL_MAX_PIXELS, compile_tiny_artifact, write_tiny_qwen3_vl
+from kvroom.plan.report import plan_table
+from qwen3_vl_reference import hf_greedy, hf_image_inputs
+from tiny_models import (
+    QWEN3_VL_MAX_PIXELS,
+    TINY_COMPILE_CONFIG,
+    compile_tiny_artifact,
+    write_tiny_qwen3_vl,
+)
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -27,6 +37,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def image(w: int, h: int, seed: int = 0) -> Image.Image:
     pixels = (np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8")
     return Image.fromarray(pixels)
+
+
+def _png(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -52,37 +68,60 @@ def hf(vl_dir: Path) -> object:
     return transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_dir).eval()
 
 
-def hf_greedy(hf: object, ids: tuple[int, ...], llm: LLM, images: list[Image.Image]) -> list[int]:
-    """transformers' greedy tokens for the expanded prompt kvroom ran."""
-    model = llm.runtime.runner.model
-    inputs = {"input_ids": torch.tensor([ids])}
-    if images:
-        from kvroom.models.qwen3_vl_inputs import preprocess
-
-        pre = preprocess(images, model.processor)
-        inputs["pixel_values"] = torch.cat([p.pixel_values for p in pre])
-        inputs["image_grid_thw"] = torch.tensor([p.grid_thw for p in pre])
-        inputs["mm_token_type_ids"] = (inputs["input_ids"] == 301).int()
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    return out[0, len(ids) :].tolist()
+IMAGE_TOKEN, MERGE = 301, 2
 
 
-@pytest.mark.parametrize("num_images", [1, 2])
-def test_generate_with_images_matches_transformers(llm, hf, num_images: int) -> None:
-    images = [image(56, 40, seed=1), image(32, 48, seed=2)][:num_images]
-    prompt = {
-        "prompt": "look " + " and ".join([PLACEHOLDER] * num_images) + " what is it?",
-        "multi_modal_data": {"image": images if num_images > 1 else images[0]},
-    }
-    (result,) = llm.generate(prompt, GREEDY)
-    assert result.prompt_token_ids.count(301) > num_images  # placeholders were expanded
-    assert list(result.token_ids) == hf_greedy(hf, result.prompt_token_ids, llm, images)
+def hf_reference(
+    hf: object, vl_dir: Path, text: str, images: list[Image.Image]
+) -> tuple[list[int], list[int], list[float]]:
+    """transformers' expanded prompt, greedy tokens and their logprobs for ``text`` with
+    ``images``, from the source folder's tokenizer and image processor."""
+    ids = transformers.AutoTokenizer.from_pretrained(vl_dir)(text)["input_ids"]
+    inputs = hf_image_inputs(vl_dir, ids, images, IMAGE_TOKEN, MERGE)
+    tokens, logprobs = hf_greedy(hf, inputs, GREEDY.max_tokens)
+    return inputs["input_ids"][0].tolist(), tokens, logprobs
 
 
-def test_text_only_prompt_on_the_vl_model(llm, hf) -> None:
+def transparent_png(w: int, h: int) -> bytes:
+    """An RGBA PNG whose alpha varies: transformers composites it onto white."""
+    pixels = (np.random.default_rng(3).random((h, w, 4)) * 255).astype("uint8")
+    return _png(Image.fromarray(pixels, "RGBA"))
+
+
+IMAGE_CASES = {
+    "one": [image(56, 40, seed=1)],
+    "two": [image(56, 40, seed=1), image(32, 48, seed=2)],
+    "transparent": [transparent_png(48, 40)],
+}
+"""A 4x8 and a 4x6 patch grid; the PNG is given as bytes, transformers gets it decoded."""
+
+
+@pytest.mark.parametrize("case", list(IMAGE_CASES))
+def test_generate_with_images_matches_transformers(
+    vl_artifact: Path,
+    vl_dir: Path,
+    hf: object,
+    kernel_path: str,  # noqa: F811 - the imported fixture
+    case: str,
+) -> None:
+    """Expanded prompt, greedy tokens and their logprobs (1e-4) equal transformers'."""
+    items = IMAGE_CASES[case]
+    llm = LLM(vl_artifact)  # loaded on the kernel path under test
+    text = "look " + " and ".join([PLACEHOLDER] * len(items)) + " what is it?"
+    prompt = {"prompt": text, "multi_modal_data": {"image": items}}
+    params = dataclasses.replace(GREEDY, logprobs=0)
+    (result,) = llm.generate(prompt, params)
+    decoded = [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in items]
+    ids, tokens, logprobs = hf_reference(hf, vl_dir, text, decoded)
+    assert list(result.prompt_token_ids) == ids
+    assert list(result.token_ids) == tokens
+    got = [lp[t].logprob for lp, t in zip(result.outputs[0].logprobs, tokens, strict=True)]
+    assert got == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_text_only_prompt_on_the_vl_model(llm, hf, vl_dir: Path) -> None:
     (result,) = llm.generate("just text", GREEDY)
-    assert list(result.token_ids) == hf_greedy(hf, result.prompt_token_ids, llm, [])
+    assert list(result.token_ids) == hf_reference(hf, vl_dir, "just text", [])[1]
 
 
 def test_preemption_with_images_does_not_re_encode(vl_artifact: Path, llm: LLM) -> None:
@@ -130,12 +169,6 @@ def test_config_pair_never_saves_the_adjuster(vl_dir: Path, tmp_path: Path) -> N
     assert type(loaded.runtime.info.config) is Qwen3VLForConditionalGenerationConfig
 
 
-def _png(img: Image.Image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -144,6 +177,7 @@ def _png(img: Image.Image, fmt: str = "PNG") -> bytes:
         ({"image": [image(8, 8)] * 3}, "3 images, more than max_images_per_request=2"),
         ({"video": b""}, "only 'image' is supported"),
         ({"image": [image(8, 8)] * 2}, "2 image.s. but the prompt has 1"),
+        ({"image": image(4000, 20)}, "image 0 takes 56 tokens .*more than the 16 per image"),
     ],
 )
 def test_bad_image_input_is_a_value_error(llm: LLM, data: dict, message: str) -> None:
@@ -160,3 +194,31 @@ def test_image_tokens_beyond_max_seq_len_are_refused(llm: LLM) -> None:
     with pytest.raises(AdmissionError, match="max_seq_len"):
         llm.generate(prompt, GREEDY)
     assert llm.runtime.engine.stats.num_free_blocks == 64
+
+
+def test_image_budget_follows_the_processor(vl_dir: Path, tmp_path: Path, capsys) -> None:
+    """kvroom's default max_image_pixels (262,144 pixels: 1,024 tokens) does not fit 64
+    tokens, but the processor caps images at 4,096 pixels (16 tokens): the plan takes that,
+    says so, and a large image runs at that size."""
+    assert main(["plan", str(vl_dir), "--max-seq-len", "64", "--device-memory", "1GiB"]) == 0
+    row = "tokens per image (at most 4096 pixels: the processor's max_pixels)"
+    assert any(
+        line.startswith(row) and line.endswith(" 16")
+        for line in capsys.readouterr().out.splitlines()
+    )
+    llm = LLM(compile_tiny_artifact(vl_dir, tmp_path / "default-budget"))
+    assert llm.runtime.plan.image_tokens == 16
+    prompt = {"prompt": f"x {PLACEHOLDER}", "multi_modal_data": {"image": image(200, 120)}}
+    (result,) = llm.generate(prompt, GREEDY)
+    assert result.prompt_token_ids.count(IMAGE_TOKEN) <= 16
+
+
+def test_max_image_pixels_tighter_than_the_processor(vl_dir: Path) -> None:
+    plan = plan_model(vl_dir, {**TINY_COMPILE_CONFIG, "max_image_pixels": 1024}).plan
+    assert (plan.image_tokens, plan.image_limit) == (4, "at most 1024 pixels: max_image_pixels")
+    assert "tokens per image (at most 1024 pixels: max_image_pixels)" in plan_table(plan)
+
+
+def test_max_image_pixels_below_the_processor_minimum_is_refused(vl_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="max_image_pixels: 100 is below the image processor's"):
+        plan_model(vl_dir, {**TINY_COMPILE_CONFIG, "max_image_pixels": 100})

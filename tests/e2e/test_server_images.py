@@ -13,13 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from PIL import Image
 from server_harness import ThreadServer
 
+from kernel_paths import kernel_path  # noqa: F401 - a fixture
 from kvroom.cli import main
 from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 from kvroom.server.app import create_app
+from qwen3_vl_reference import hf_greedy, hf_image_inputs
 from tiny_models import QWEN3_VL_MAX_PIXELS, compile_tiny_artifact, write_tiny_qwen3_vl
 
 pytestmark = pytest.mark.server
@@ -38,10 +41,14 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src = write_tiny_qwen3_vl(tmp_path_factory.mktemp("sources") / "vl")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_vl(tmp_path_factory.mktemp("sources") / "vl")
+
+
+@pytest.fixture(scope="module")
+def artifact(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "vl"
-    return compile_tiny_artifact(src, out, max_image_pixels=QWEN3_VL_MAX_PIXELS)
+    return compile_tiny_artifact(source, out, max_image_pixels=QWEN3_VL_MAX_PIXELS)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +92,31 @@ def test_data_url_matches_llm_generate(server, artifact: Path) -> None:
     prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": png_bytes(1)}}
     assert text == llm.generate(prompt, params)[0].text
     assert resp.json()["usage"]["prompt_tokens"] > len(ids)  # the placeholder was expanded
+
+
+def test_data_url_gives_transformers_tokens(
+    source: Path,
+    artifact: Path,
+    kernel_path: str,  # noqa: F811 - the imported fixture
+) -> None:
+    """Served on the kernel path under test, a data: URL request's tokens and their logprobs
+    (1e-4) are transformers' greedy ones for the same chat prompt and image."""
+    llm = LLM(artifact)  # loaded on the kernel path under test
+    server = ThreadServer(create_app(llm, served_model_name=MODEL))
+    try:
+        body = {**chat(data_url(png_bytes(1))), "logprobs": True}
+        resp = server.post("/v1/chat/completions", json=body)
+    finally:
+        server.stop()
+    assert resp.status_code == 200, resp.text
+    served = resp.json()["choices"][0]["logprobs"]["content"]
+    placeholder = llm.runtime.runner.model.image_placeholder
+    ids = llm.apply_chat_template([{"role": "user", "content": placeholder + "what is this?"}])
+    image = Image.open(io.BytesIO(png_bytes(1)))
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(source).eval()
+    tokens, logprobs = hf_greedy(hf, hf_image_inputs(source, ids, [image], 301, 2), 6)
+    assert [c["token"] for c in served] == [llm.tokenizer.decode([t]) for t in tokens]
+    assert [c["logprob"] for c in served] == pytest.approx(logprobs, abs=1e-4)
 
 
 def test_local_file_under_the_allowed_folder(server, media: Path) -> None:

@@ -4,7 +4,8 @@
   ``model.language_model.``;
 * M-RoPE: every token has (time, height, width) positions; rotary pair ``i`` turns by the
   axis ``mrope_axes[i]`` (interleaved sections, as ``Qwen3VLTextRotaryEmbedding`` lays them
-  out). Text tokens have the same position on all axes, which is plain rotary;
+  out; like it, kvroom interleaves whatever ``mrope_interleaved`` says). Text tokens have the
+  same position on all axes, which is plain rotary;
 * image placeholder rows take the vision encoder's features, and its deepstack features are
   added to the image rows after each of the first decoder layers;
 * the vision tower is transformers' own ``Qwen3VLVisionModel`` (``vision.py``), run on the
@@ -64,6 +65,8 @@ class Qwen3VLModel(DecoderModel):
         """``vision.VisionEncoder``, loaded by ``load_extra``."""
         self.encoder_cache = EncoderCache(4)
         self.max_images = 1
+        self.max_image_tokens = 0
+        """Tokens per image the plan holds (``plan.vision.tokens_per_image``)."""
         self.processor: Any = None
 
     def hf_top_names(self) -> dict[str, str]:
@@ -89,10 +92,14 @@ class Qwen3VLModel(DecoderModel):
 
     def configure_multimodal(self, folder: Path, config: Any) -> None:
         """Take the artifact's image limits and processor, and size the encoder cache."""
-        from kvroom.models.qwen3_vl_inputs import load_image_processor
+        from kvroom.models.qwen3_vl_inputs import folder_image_budget, load_image_processor
+        from kvroom.plan.vision import tokens_per_image
 
         self.max_images = int(getattr(config, "max_images_per_request", 1))
         pixels = int(getattr(config, "max_image_pixels", 512 * 512))
+        budget = folder_image_budget(folder, pixels, self.vl_config)
+        assert self.spec.vision is not None
+        self.max_image_tokens = tokens_per_image(self.spec.vision, budget.max_pixels)
         processor = getattr(config, "image_processor", None)
         self.processor = processor or load_image_processor(folder, pixels, self.vl_config)
         self.encoder_cache = EncoderCache(int(getattr(config, "encoder_cache_images", 4)))
@@ -101,11 +108,17 @@ class Qwen3VLModel(DecoderModel):
         """Expanded token ids and ``MultimodalInputs`` of a prompt with PIL ``images``.
 
         Raises:
-            ConfigError: more images than ``max_images_per_request``, or placeholders and
-                images that disagree in number.
+            ConfigError: more images than ``max_images_per_request``, an image with more
+                tokens than the plan holds per image, or placeholders and images that
+                disagree in number.
         """
         from kvroom.errors import ConfigError
-        from kvroom.models.qwen3_vl_inputs import ImageTokens, expand_prompt, preprocess
+        from kvroom.models.qwen3_vl_inputs import (
+            ImageTokens,
+            check_image_tokens,
+            expand_prompt,
+            preprocess,
+        )
 
         if len(images) > self.max_images:
             raise ConfigError(
@@ -113,6 +126,7 @@ class Qwen3VLModel(DecoderModel):
                 f"{self.max_images}"
             )
         inputs = preprocess(images, self.processor)
+        check_image_tokens(inputs, self.max_image_tokens)
         return expand_prompt(token_ids, inputs, ImageTokens.from_config(self.vl_config))
 
     def image_features(self, image: ImageInput) -> EncoderOutput:

@@ -3,7 +3,8 @@
 The prompt holds ``<|vision_start|><|image_pad|><|vision_end|>`` once per image; each
 ``<|image_pad|>`` is expanded to the image's token count (``t x h x w / merge^2``), as vLLM and
 transformers' processor do. Images are preprocessed by the model's own PIL image processor
-(``Qwen2VLImageProcessorPil``: no torchvision), resized to at most ``max_image_pixels``.
+(``Qwen2VLImageProcessorPil``: no torchvision), with its config and its ``min_pixels``, and
+``max_pixels`` capped at ``max_image_pixels`` (``plan.vision.image_budget``).
 
 M-RoPE positions follow ``Qwen3VLModel.get_rope_index``: text tokens advance all three axes
 together; an image's tokens sit at ``(start, start + row, start + col)`` on its merged grid,
@@ -22,6 +23,7 @@ import torch
 
 from kvroom.errors import ConfigError
 from kvroom.models.multimodal import ImageInput, MultimodalInputs
+from kvroom.plan.vision import ImageBudget, image_budget
 
 
 @dataclass(frozen=True)
@@ -44,27 +46,68 @@ class ImageTokens:
 
 
 def load_image_processor(folder: Path, max_image_pixels: int, hf_config: Any) -> Any:
-    """The artifact's image processor (``preprocessor_config.json`` if present), capped at
-    ``max_image_pixels``."""
+    """The image processor of ``folder`` (its config in ``preprocessor_config.json`` or, as
+    transformers 5 saves it, ``processor_config.json``; its defaults without one), resizing to
+    the plan's ``image_budget``: its own ``min_pixels``, and ``max_pixels`` capped at
+    ``max_image_pixels``.
+
+    Raises:
+        ConfigError: ``max_image_pixels`` is below the processor's ``min_pixels``.
+        ModelSourceError: a processor config that cannot be read.
+    """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
+    from kvroom.sources import read_image_processor_config
+
     v = hf_config.vision_config
+    config = read_image_processor_config(Path(folder))
+    budget = _image_budget(config, max_image_pixels, hf_config)
     kwargs = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size}
     kwargs["merge_size"] = v.spatial_merge_size
-    file = Path(folder) / "preprocessor_config.json"
-    if file.is_file():
-        proc = Qwen2VLImageProcessorPil.from_pretrained(str(folder), **kwargs)
-    else:
-        proc = Qwen2VLImageProcessorPil(**kwargs)
-    unit = (v.patch_size * v.spatial_merge_size) ** 2
-    longest = min(max_image_pixels, int(proc.size.get("longest_edge") or max_image_pixels))
-    proc.size = {"shortest_edge": min(unit, longest), "longest_edge": longest}
+    proc = Qwen2VLImageProcessorPil.from_dict(dict(config or {}), **kwargs)
+    proc.size = {"shortest_edge": budget.min_pixels, "longest_edge": budget.max_pixels}
     for name in ("min_pixels", "max_pixels"):  # deprecated spellings would override ``size``
         if hasattr(proc, name):
             setattr(proc, name, None)
     return proc
+
+
+def folder_image_budget(folder: Path, max_image_pixels: int, hf_config: Any) -> ImageBudget:
+    """The plan's ``image_budget`` for the image processor config in ``folder``."""
+    from kvroom.sources import read_image_processor_config
+
+    return _image_budget(read_image_processor_config(Path(folder)), max_image_pixels, hf_config)
+
+
+def _image_budget(
+    config: dict[str, Any] | None, max_image_pixels: int, hf_config: Any
+) -> ImageBudget:
+    from kvroom.model_spec import VisionSpec
+
+    vision = VisionSpec.from_hf(hf_config.vision_config.to_dict(), config)
+    return image_budget(vision, max_image_pixels)
+
+
+def check_image_tokens(images: Sequence[ImageInput], max_tokens: int) -> None:
+    """Every image within the tokens per image the plan holds.
+
+    The processor keeps an image's pixels under its ``max_pixels``, but not always its tokens:
+    it never makes a side shorter than one token, so a very long, thin image (aspect ratio up
+    to 200) can take several times ``max_pixels / (patch x merge)^2``.
+
+    Raises:
+        ConfigError: an image takes more than ``max_tokens`` tokens.
+    """
+    for i, image in enumerate(images):
+        if image.num_tokens > max_tokens:
+            _, h, w = image.grid_thw
+            raise ConfigError(
+                f"multi_modal_data: image {i} takes {image.num_tokens} tokens after the "
+                f"processor's resize ({h}x{w} patches), more than the {max_tokens} per image "
+                "the plan holds; crop it closer to square"
+            )
 
 
 def preprocess(images: Sequence[Any], processor: Any) -> list[ImageInput]:

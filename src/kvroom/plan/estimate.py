@@ -71,6 +71,10 @@ class MemoryPlan:
     """The profiling pass's terms (``kvroom.plan.measured``); None: the formula is used."""
     vision_bytes: int = 0
     """Vision encoder peak + encoder cache (``plan.vision``); 0 for text models."""
+    image_tokens: int = 0
+    """Tokens the largest image takes (``plan.vision``); 0 for text models."""
+    image_limit: str = ""
+    """Which limit bounds an image's pixels (``ImageBudget.describe``); empty for text models."""
     kv_groups: tuple[str, ...] = ()
     """One line per KV pool tensor (``plan.kv.describe_kv_groups``), e.g. ``2 full-attention
     layers, K=V, 1 KV head x 512 dims; 4 layers share earlier KV``."""
@@ -284,7 +288,7 @@ def compute_plan(
         num_blocks=0,
         num_blocks_source="estimate",
         kv_groups=describe_kv_groups(spec, max_seq_len=cfg.max_seq_len),
-        vision_bytes=_vision_bytes(spec, cfg),
+        **_vision_fields(spec, cfg),
     )
     return needs.refit(
         memory,
@@ -293,13 +297,13 @@ def compute_plan(
     )
 
 
-def _vision_bytes(spec: ModelSpec, cfg: DecoderOnlyConfig) -> int:
-    """``plan.vision.vision_bytes`` for a model with a vision tower, else 0."""
+def _vision_fields(spec: ModelSpec, cfg: DecoderOnlyConfig) -> dict[str, Any]:
+    """The plan's image fields (``plan.vision.plan_vision``); none for a text model."""
     if spec.vision is None:
-        return 0
-    from kvroom.plan.vision import vision_bytes
+        return {}
+    from kvroom.plan.vision import plan_vision
 
-    return vision_bytes(
+    images = plan_vision(
         spec.vision,
         max_images_per_request=getattr(cfg, "max_images_per_request", 1),
         max_image_pixels=getattr(cfg, "max_image_pixels", 512 * 512),
@@ -307,3 +311,8 @@ def _vision_bytes(spec: ModelSpec, cfg: DecoderOnlyConfig) -> int:
         max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype,
     )
+    return {
+        "vision_bytes": images.nbytes,
+        "image_tokens": images.tokens_per_image,
+        "image_limit": images.budget.describe(),
+    }

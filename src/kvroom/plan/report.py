@@ -52,6 +52,8 @@ def plan_table(plan: MemoryPlan) -> str:
     if plan.vision_bytes:
         budget = rows.index(("= KV budget", format_bytes(plan.kv_budget_bytes)))
         rows.insert(budget, ("- vision encoder + cache (fixed)", format_bytes(plan.vision_bytes)))
+    if plan.image_tokens:
+        rows.append((f"tokens per image ({plan.image_limit})", str(plan.image_tokens)))
     rows += _kv_group_rows(plan)
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value:>14}" for label, value in rows]
