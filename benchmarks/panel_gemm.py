@@ -6,16 +6,17 @@
 SmolLM2-135M's shapes by default (per layer: qkv 576x960, o 576x576, gate/up 576x3072, down
 1536x576; then the 576x49152 LM head), each layer's weights distinct, so a step reads them
 cold as decode does. Per row count, the two take turns for ``--rounds`` (5) after a warm-up;
-the median step time of each and their ratio are printed. Needs the native kernels and an AVX-512
-CPU (bf16: one without AMX; ``kvroom.models.kernels``); oneDNN runs bf16 as its prepacked bf16
-GEMM.
+the median step time of each and their ratio are printed. Needs the native kernels and an AVX2 or
+AVX-512 CPU (bf16: one without AMX; ``kvroom.models.kernels``); oneDNN runs bf16 as its prepacked
+bf16 GEMM where the CPU has one, else as fp32 over weights widened at load.
 
 ``--against OTHER.cpp`` times the panel GEMM of another version of the kernels' source instead
 of oneDNN (built with the same flags into a temporary folder, loaded beside the package's own;
-the two products must be equal), e.g. the last commit's::
+the two products must be equal), e.g. the last commit's (the headers beside it)::
 
-    git show HEAD~1:src/kvroom/models/kernels/cpu_kernels.cpp > /path/to/before.cpp
-    .venv/bin/python benchmarks/panel_gemm.py --rows 1,32,512 --against /path/to/before.cpp
+    git archive HEAD~1 src/kvroom/models/kernels | tar -x -C /path/to/before
+    .venv/bin/python benchmarks/panel_gemm.py --rows 1,32,512 \
+        --against /path/to/before/src/kvroom/models/kernels/cpu_kernels.cpp
 """
 
 from __future__ import annotations

@@ -7,34 +7,15 @@ import dataclasses
 import pytest
 import torch
 
+from kernel_cases import decode_case, prefill_case, prefill_reference, require_native_kernels
 from kvroom.models import attention
-from kvroom.models.attention import DecodeGroup
 from kvroom.models.kernels import CpuKernels, cpu_flags, cpu_kernels, ops
 from kvroom.models.layers import rms_norm
 
-pytestmark = pytest.mark.skipif(not cpu_kernels().native, reason="native kernels not built")
 
-
-def _case(
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    heads: int,
-    kv_heads: int,
-    lens: list[int],
-    d: int = 16,
-):
-    gen = torch.Generator().manual_seed(0)
-    unit = 4
-    units = max(40, len(lens) * -(-max(lens) // unit))
-    cache = torch.randn(units, unit, 2, kv_heads, d, generator=gen).to(kv_dtype)
-    n = max(-(-x // unit) for x in lens)
-    perm = torch.randperm(units, generator=gen)[: len(lens) * n].view(len(lens), n)
-    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
-    q = qkv[:, : heads * d].view(len(lens), heads, d)  # strided rows, as in the model
-    keep = torch.arange(n * unit)[None, :] < torch.tensor(lens)[:, None]
-    mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
-    group = DecodeGroup(len(lens), perm.contiguous(), n * unit, mask[:, None, None, :])
-    return q, cache, group, torch.tensor(lens)
+@pytest.fixture(autouse=True)
+def _native_kernels() -> None:
+    require_native_kernels()
 
 
 @pytest.mark.parametrize(
@@ -47,7 +28,7 @@ def _case(
 )
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_decode_attention_matches_sdpa(dtype, kv_dtype, atol, softcap) -> None:
-    q, cache, group, lens = _case(dtype, kv_dtype, heads=6, kv_heads=2, lens=[1, 7, 16, 13])
+    q, cache, group, lens = decode_case(dtype, kv_dtype, heads=6, kv_heads=2, lens=[1, 7, 16, 13])
     ref = attention._decode(q, cache, group, 0.25, softcap)
     out = ops.decode_attention(q, cache, group.kv_index, lens, 0.25, softcap)
     assert out is not None
@@ -55,7 +36,9 @@ def test_decode_attention_matches_sdpa(dtype, kv_dtype, atol, softcap) -> None:
 
 
 def test_decode_attention_many_items_runs_threaded_and_the_same() -> None:
-    q, cache, group, lens = _case(torch.float32, torch.float32, 8, 4, [5, 9, 12, 3, 16, 2, 8, 11])
+    q, cache, group, lens = decode_case(
+        torch.float32, torch.float32, 8, 4, [5, 9, 12, 3, 16, 2, 8, 11]
+    )
     ref = attention._decode(q, cache, group, 0.3, None)
     out = ops.decode_attention(q, cache, group.kv_index, lens, 0.3, None)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
@@ -64,7 +47,7 @@ def test_decode_attention_many_items_runs_threaded_and_the_same() -> None:
 @pytest.mark.parametrize("d", [16, 64])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_engine_decode_takes_the_vector_decode_kernel_else_the_prefill_kernel(d, softcap) -> None:
-    q, cache, group, lens = _case(torch.float32, torch.float32, 6, 2, [1, 7, 16, 13], d=d)
+    q, cache, group, lens = decode_case(torch.float32, torch.float32, 6, 2, [1, 7, 16, 13], d=d)
     ref = attention._decode(q, cache, group, 0.25, softcap)  # torch: no lens in the group
     native = dataclasses.replace(group, lens=lens, last_pos=lens - 1, one_row=torch.ones_like(lens))
     out = attention._native_decode(q, cache, native, 0.25, softcap)
@@ -98,7 +81,7 @@ def test_vector_decode_matches_sdpa_across_units(
     d, dtype, kv_dtype, tol, softcap, seqs, heads, kv_heads
 ) -> None:
     lens = [1 + (i * 7) % 19 for i in range(seqs)]  # unit 4: rows in 1 to 5 units
-    q, cache, group, lens_t = _case(dtype, kv_dtype, heads, kv_heads, lens=lens, d=d)
+    q, cache, group, lens_t = decode_case(dtype, kv_dtype, heads, kv_heads, lens=lens, d=d)
     wide = dataclasses.replace(group, mask=group.mask.float())  # the kernel computes in fp32
     ref = attention._decode(q.float(), cache.float(), wide, 0.25, softcap)
     out = ops.decode_attention(q, cache, group.kv_index, lens_t, 0.25, softcap)
@@ -156,37 +139,6 @@ def test_the_choice_is_described_in_one_line(monkeypatch) -> None:
     )
 
 
-def _prefill_case(dtype, kv_dtype, heads, kv_heads, d, chunks):
-    """Chunks ``(start, q_len)`` over scattered pool blocks, their K/V stored as the model does."""
-    gen = torch.Generator().manual_seed(2)
-    unit, units = 4, 200
-    cache = torch.randn(units, unit, 2, kv_heads, d, generator=gen).to(kv_dtype)
-    ends = [s + n for s, n in chunks]
-    n = max(-(-e // unit) for e in ends)
-    tables = torch.randperm(units, generator=gen)[: len(chunks) * n].view(len(chunks), n)
-    tp = sum(q for _, q in chunks)
-    qkv = torch.randn(tp, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
-    q = qkv[:, : heads * d].view(tp, heads, d)  # strided rows, as in the model
-    return q, cache, tables.contiguous(), chunks
-
-
-def _prefill_reference(q, cache, tables, chunks, scale):
-    """Per chunk: gather its keys, SDPA under the causal mask with its offset, in float64."""
-    outs, row = [], 0
-    kvh = cache.shape[3]
-    for b, (start, n) in enumerate(chunks):
-        keys = cache[tables[b]].reshape(-1, 2, kvh, cache.shape[4])[: start + n].double()
-        k, v = keys[:, 0].transpose(0, 1), keys[:, 1].transpose(0, 1)
-        qb = q[row : row + n].double().transpose(0, 1)
-        group = qb.shape[0] // kvh
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
-        scores = (qb @ k.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
-        outs.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1))
-        row += n
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "atol"),
     [
@@ -203,17 +155,17 @@ def _prefill_reference(q, cache, tables, chunks, scale):
 )
 def test_prefill_attention_matches_causal_attention(dtype, kv_dtype, atol, heads, kv_heads, d):
     chunks = [(0, 37), (50, 19), (3, 2), (0, 70), (96, 33)]  # fresh and with cached context
-    q, cache, tables, chunks = _prefill_case(dtype, kv_dtype, heads, kv_heads, d, chunks)
+    q, cache, tables, chunks = prefill_case(dtype, kv_dtype, heads, kv_heads, d, chunks)
     starts = torch.tensor([s for s, _ in chunks])
     q_lens = torch.tensor([n for _, n in chunks])
     out = ops.prefill_attention(q, cache, tables, starts, q_lens, d**-0.5)
     assert out is not None
-    ref = _prefill_reference(q, cache, tables, chunks, d**-0.5)
+    ref = prefill_reference(q, cache, tables, chunks, d**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 
 def test_prefill_attention_declines_head_dims_it_was_not_built_for() -> None:
-    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 2, 1, 6, [(0, 5)])
+    q, cache, tables, chunks = prefill_case(torch.float32, torch.float32, 2, 1, 6, [(0, 5)])
     one = torch.tensor([0]), torch.tensor([5])
     assert ops.prefill_attention(q, cache, tables, *one, 0.5) is None
 
@@ -233,7 +185,7 @@ def test_silu_mul_matches_torch(dtype, rows, inter) -> None:
         torch.testing.assert_close(out.float(), ref.float(), atol=1e-30, rtol=8e-3)
 
 
-needs_panels = pytest.mark.skipif(not cpu_kernels().panel_gemm, reason="no AVX-512 panel GEMM")
+needs_panels = pytest.mark.skipif(not cpu_kernels().panel_gemm, reason="no panel GEMM here")
 
 
 @needs_panels
@@ -424,7 +376,7 @@ def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
     monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
     monkeypatch.setattr(attention, "_vector_prefill", lambda q: False)
     chunks = [(5, 30), (0, 12), (40, 8)] + ([(20, 180)] if large else [])  # 180 x 200 scores
-    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
+    q, cache, tables, chunks = prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
     g = _context_group(tables, chunks)
     out = attention._prefill_full(q, None, cache, g, 0.125, None)
     native = ops.prefill_attention(q, cache, tables, g.starts, g.q_lens, 0.125)
@@ -434,7 +386,7 @@ def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
         torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=0)
     else:
         assert torch.equal(out, native)
-    ref = _prefill_reference(q, cache, tables, chunks, 0.125)
+    ref = prefill_reference(q, cache, tables, chunks, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
@@ -443,7 +395,7 @@ def test_context_chunks_take_the_vector_path_fresh_ones_sdpa(monkeypatch, fresh)
     monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
     monkeypatch.setattr(attention, "_vector_prefill", lambda q: True)
     chunks = [(0, 180), (0, 180)] if fresh else [(20, 180), (5, 30)]
-    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
+    q, cache, tables, chunks = prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
     g = _context_group(tables, chunks)
     if fresh:
         g = dataclasses.replace(g, fresh=True)
@@ -456,7 +408,7 @@ def test_context_chunks_take_the_vector_path_fresh_ones_sdpa(monkeypatch, fresh)
     own = cache[tables].reshape(-1, *cache.shape[2:]) if fresh else None
     out = attention._prefill_full(q, own, cache, g, 0.125, None)
     assert calls == ([] if fresh else [1])
-    ref = _prefill_reference(q, cache, tables, chunks, 0.125)
+    ref = prefill_reference(q, cache, tables, chunks, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
@@ -492,7 +444,7 @@ def test_another_build_of_the_source_loads_beside_the_package_one(tmp_path) -> N
             calls.append(args)
             return other.kvroom_prefill_attention(*args)
 
-    q, cache, tables, chunks = _prefill_case(torch.float32, torch.float32, 4, 2, 32, [(5, 20)])
+    q, cache, tables, chunks = prefill_case(torch.float32, torch.float32, 4, 2, 32, [(5, 20)])
     one = torch.tensor([5]), torch.tensor([20])
     got = ops.prefill_attention(q, cache, tables, *one, 0.25, lib=AttentionSpy())
     assert got is not None and torch.equal(got, ops.prefill_attention(q, cache, tables, *one, 0.25))
@@ -502,6 +454,8 @@ def test_another_build_of_the_source_loads_beside_the_package_one(tmp_path) -> N
 def test_a_source_of_another_abi_is_refused(tmp_path) -> None:
     from kvroom.models.kernels import build
 
+    for header in build.sources()[1:]:  # the headers the entry points include
+        (tmp_path / header.name).write_bytes(header.read_bytes())
     source = tmp_path / "old.cpp"
     old = build.SOURCE.read_text().replace(
         f"kvroom_abi_version() {{ return {build.ABI_VERSION}; }}",

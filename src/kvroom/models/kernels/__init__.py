@@ -10,11 +10,12 @@
 * the native kernels (``build.library``): paged decode and causal prefill attention reading K/V
   in place from the blocks, the fused residual add + RMSNorm and SiLU-GLU; None means the
   torch paths.
-* fp32 projections: the native panel GEMM (``ops.panel_gemm``) on AVX-512 CPUs, unless
-  ``KVROOM_PANEL_GEMM=0``; else oneDNN's prepacked GEMM (``layers.prepare_weight``). bf16
-  projections likewise on AVX-512 CPUs without AMX (bf16 panels widened in registers: half
-  the bytes of fp32 ones; 0.6x oneDNN's bf16 decode step at 32 rows on an AVX512-BF16 CPU);
-  with AMX, oneDNN's tiles.
+* fp32 projections: the native panel GEMM (``ops.panel_gemm``) on AVX-512 and AVX2 + FMA CPUs,
+  unless ``KVROOM_PANEL_GEMM=0``; else oneDNN's prepacked GEMM (``layers.prepare_weight``).
+  bf16 projections likewise on those CPUs but AMX ones (bf16 panels widened in registers: half
+  the bytes of fp32 ones; 0.6x oneDNN's bf16 decode step at 32 rows on an AVX512-BF16 CPU; on
+  AVX2 the alternative is fp32 weights widened at load, twice the memory); with AMX, oneDNN's
+  tiles.
 * who attends prefill chunks with cached context: on AVX-512 CPUs torch's flash SDPA over the
   gathered blocks under a mask (its tiles run as oneDNN GEMMs: 2.7x the native kernel in bf16
   with AMX, 1.2x in fp32, ``benchmarks/prefill_attention.py``), else the native kernel, which
@@ -96,6 +97,11 @@ def _isa(flags: frozenset[str]) -> str:
     return "avx2" if "avx2" in flags else "generic"
 
 
+def _vector_isa(flags: frozenset[str]) -> bool:
+    """AVX-512, or AVX2 with FMA: the ISAs the panel GEMM has a fast pass for."""
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
+
+
 @cache
 def cpu_kernels() -> CpuKernels:
     """The kernels this CPU runs; decided and logged once per process."""
@@ -109,8 +115,8 @@ def cpu_kernels() -> CpuKernels:
         native=library() is not None,
         sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
         vector_prefill=isa in ("avx512_bf16", "avx512"),
-        panel_gemm=panels and "avx512f" in flags,
-        panel_gemm_bf16=panels and "avx512f" in flags and isa != "amx",
+        panel_gemm=panels and _vector_isa(flags),
+        panel_gemm_bf16=panels and _vector_isa(flags) and isa != "amx",
     )
     log.info(chosen.describe())
     return chosen

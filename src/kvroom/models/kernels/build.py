@@ -2,14 +2,18 @@
 
 The library is compiled on first use with ``g++ -O3 -march=native -fopenmp`` (about 2 s) into
 ``$KVROOM_CACHE_DIR/kernels`` (default ``~/.cache/kvroom/kernels``), named by a hash of the
-source, the compiler and the CPU's flags, so a machine with another CPU builds its own copy and
-a rebuild happens only when one of them changes. The build writes a temporary file and renames
-it, so concurrent processes never load a half-written library. ``-fopenmp`` links
+sources, the compiler and the CPU's flags, so a machine with another CPU builds its own copy and
+a rebuild happens only when one of them changes. The sources are split by ISA (AVX-512 code in
+its own headers, compiled where the target has it); ``build_library(..., march=LEVEL)`` builds
+them for an x86-64 level (``LEVELS``) whatever the CPU, which the tests do for every level.
+The build writes a temporary file and renames it, so concurrent processes never load a
+half-written library. ``-fopenmp`` links
 ``libgomp.so.1``, the SONAME of the OpenMP runtime torch already loaded, so the kernels run on
 torch's thread pool with torch's thread count.
 
 Where there is no compiler, the build fails, or ``KVROOM_NATIVE_KERNELS=0``, ``library()`` is
-None and every caller takes its pure-torch path.
+None and every caller takes its pure-torch path. A failed build logs one line naming the log file
+that holds the compiler's output, and is not retried until the sources or the compiler change.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ABI_VERSION = 7
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
-_FLAGS += ["-std=c++17"]
+LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
+"""x86-64 levels the sources build for: SSE4.2, AVX2 + FMA, AVX-512 (F, BW, DQ, VL)."""
+_FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS += ["-Wno-psabi"]  # 32-byte vectors passed between inlined helpers on SSE-only levels
 
 
 def cpu_flags() -> frozenset[str]:
@@ -47,16 +53,26 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def has_compiler() -> bool:
+    return _compiler() is not None
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, target: Path, source: Path = SOURCE) -> None:
+def sources(source: Path | None = None) -> list[Path]:
+    """The files one build reads: the entry points (``SOURCE``) and the headers beside them."""
+    source = source or SOURCE
+    return [source, *sorted(source.parent.glob("*.h"))]
+
+
+def _build(cxx: str, target: Path, source: Path = SOURCE, march: str = "native") -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cxx, *_FLAGS, "-o", tmp, str(source)]
+        cmd = [cxx, *_FLAGS, f"-march={march}", "-o", tmp, str(source)]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)
     finally:
@@ -106,17 +122,32 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def build_library(source: Path, target: Path) -> ctypes.CDLL:
-    """``source`` (another version of ``cpu_kernels.cpp``) built as the package's own is and
-    loaded, so a benchmark can time two versions of a kernel in one process. Raises where there
-    is no compiler, the build fails, or the source has another ABI (its entry points differ)."""
+def compile_library(source: Path, target: Path, march: str = "native") -> None:
+    """Compile ``source`` (its headers beside it) into ``target`` for ``march`` without loading
+    it: a level this CPU cannot run still builds. Raises ``OSError`` where there is no compiler,
+    ``CalledProcessError`` (the compiler's output in ``stderr``) where the build fails."""
     cxx = _compiler()
     if cxx is None:
         raise OSError("no C++ compiler (g++) found")
-    _build(cxx, target, source)
-    lib = ctypes.CDLL(str(target))
+    _build(cxx, target, source, march)
+
+
+def build_library(source: Path, target: Path, march: str = "native") -> ctypes.CDLL:
+    """``source`` (another version of ``cpu_kernels.cpp``, its headers beside it) built as the
+    package's own is, or for an x86-64 level (``march``), and loaded, so a benchmark can time two
+    versions of a kernel in one process and the tests can run each level's code. Raises where
+    there is no compiler, the build fails, or the source has another ABI (its entry points
+    differ)."""
+    compile_library(source, target, march)
+    return load_library(target, source)
+
+
+def load_library(path: Path, source: Path | None = None) -> ctypes.CDLL:
+    """A built library loaded, its ABI checked (``OSError`` naming ``source`` otherwise)."""
+    lib = ctypes.CDLL(str(path))
     if lib.kvroom_abi_version() != ABI_VERSION:
-        raise OSError(f"{source}: kernels ABI {lib.kvroom_abi_version()}, expected {ABI_VERSION}")
+        name = source or path
+        raise OSError(f"{name}: kernels ABI {lib.kvroom_abi_version()}, expected {ABI_VERSION}")
     return _signature(lib)
 
 
@@ -130,18 +161,37 @@ def library() -> ctypes.CDLL | None:
     if cxx is None:
         log.warning("native CPU kernels: no C++ compiler (g++) found; using torch kernels")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join([cxx, *_FLAGS, *sorted(cpu_flags())]).encode())
-    key.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
-    target = cache_dir() / f"kvroom_cpu_{key.hexdigest()[:16]}.so"
+    key = _build_key(cxx)
+    target = cache_dir() / f"kvroom_cpu_{key}.so"
+    failed = cache_dir() / f"build-{key}.log"
+    if not target.exists() and failed.exists():
+        log.warning(_did_not_build("an earlier build failed", failed))
+        return None
     try:
         if not target.exists():
-            _build(cxx, target)
+            _build(cxx, target, SOURCE)
         lib = _signature(ctypes.CDLL(str(target)))
         if lib.kvroom_abi_version() != ABI_VERSION:
             raise OSError(f"{target}: ABI {lib.kvroom_abi_version()}, expected {ABI_VERSION}")
+    except subprocess.CalledProcessError as exc:
+        failed.write_text(f"$ {' '.join(map(str, exc.cmd))}\n{exc.stdout}{exc.stderr}")
+        log.warning(_did_not_build(f"{Path(cxx).name} exit {exc.returncode}", failed))
+        return None
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or exc
-        log.warning("native CPU kernels: build or load failed (%s); using torch kernels", detail)
+        log.warning("native CPU kernels did not load (%s); using torch kernels", exc)
         return None
     return lib
+
+
+def _build_key(cxx: str) -> str:
+    """Hash of the sources, the compiler and its flags, and the CPU's flags."""
+    key = hashlib.sha256()
+    for path in sources():
+        key.update(path.name.encode() + path.read_bytes())
+    key.update(" ".join([cxx, *_FLAGS, "-march=native", *sorted(cpu_flags())]).encode())
+    key.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
+    return key.hexdigest()[:16]
+
+
+def _did_not_build(why: str, log_path: Path) -> str:
+    return f"native CPU kernels did not build ({why}; log: {log_path}); using torch kernels"

@@ -55,6 +55,7 @@ def decode_attention(
     lens: torch.Tensor,
     scale: float,
     softcap: float | None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor | None:
     """``[B, H * D]`` attention of one query per sequence over its pool units, read in place.
 
@@ -63,6 +64,7 @@ def decode_attention(
         cache: the layer's pool ``[units, unit_len, 2, kv_heads, D]``, contiguous.
         tables: ``[B, n]`` int64 pool units per sequence, contiguous.
         lens: ``[B]`` int64 keys per sequence.
+        lib: another build of the kernels (``build.build_library``) instead of the package's.
     """
     qd, kd = _DTYPES.get(q.dtype), _DTYPES.get(cache.dtype)
     b, h, d = q.shape
@@ -74,10 +76,10 @@ def decode_attention(
         or q.stride(2) != 1
         or q.stride(1) != d
         or not cache.is_contiguous()
-        or not cpu_kernels().native
+        or not _native(lib)
     ):
         return None
-    lib = library()
+    lib = library() if lib is None else lib
     assert lib is not None
     out = torch.empty(b, h * d, dtype=q.dtype)
     rc = lib.kvroom_decode_attention(
@@ -122,7 +124,7 @@ def prefill_attention(
         or q.stride(2) != 1
         or q.stride(1) != d
         or not cache.is_contiguous()
-        or not cpu_kernels().native
+        or not _native(lib)
     ):
         return None
     lib = library() if lib is None else lib
@@ -137,7 +139,11 @@ def prefill_attention(
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor | None, eps: float, weight: torch.Tensor | None = None
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor | None:
     """``h += delta`` in place, then ``rms_norm(h) [* weight]`` as a new tensor; None where the
     native kernel does not apply (the caller then does both in torch)."""
@@ -149,10 +155,10 @@ def add_rms_norm(
         or not h.is_contiguous()
         or (delta is not None and (delta.dtype != h.dtype or not delta.is_contiguous()))
         or (weight is not None and (weight.dtype != h.dtype or not weight.is_contiguous()))
-        or not cpu_kernels().native
+        or not _native(lib)
     ):
         return None
-    lib = library()
+    lib = library() if lib is None else lib
     assert lib is not None
     y = torch.empty_like(h)
     rc = lib.kvroom_add_rms_norm(
@@ -164,15 +170,15 @@ def add_rms_norm(
     return y
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+def silu_mul(gu: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """``silu(gu[:, :I]) * gu[:, I:]`` as a new ``[T, I]`` tensor in one pass (torch: a silu
     over a strided view, then a multiply); None where the native kernel does not apply."""
     dt = _DTYPES.get(gu.dtype)
     if gu.device.type != "cpu" or dt is None or gu.dim() != 2 or not gu.is_contiguous():
         return None
-    if not cpu_kernels().native:
+    if not _native(lib):
         return None
-    lib = library()
+    lib = library() if lib is None else lib
     assert lib is not None
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype)
@@ -183,7 +189,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
 
 
 PANEL = 32
-"""Output columns per panel of a ``pack_panels`` weight (two AVX-512 vectors of fp32)."""
+"""Output columns per panel of a ``pack_panels`` weight (two AVX-512 vectors of fp32, four AVX2
+ones)."""
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
@@ -195,6 +202,12 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
         return None
     if not cpu_kernels().panels(w.dtype):
         return None
+    return panels_of(w)
+
+
+def panels_of(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (``[in, out]``, fp32 or bf16, ``out`` a multiple of 32) in the panel layout,
+    whatever this CPU runs (``pack_panels`` asks it first)."""
     k, n = w.shape
     if w.dtype == torch.bfloat16:  # columns 0, 16, 1, 17, ...: the kernel's two-vector load
         return w.view(k, n // PANEL, 2, PANEL // 2).permute(1, 0, 3, 2).reshape(-1, k, PANEL)
@@ -249,6 +262,11 @@ def panel_glu(
     rc = glu(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), x.shape[0], k, y.shape[1])
     assert rc == 0, f"kvroom panel GLU ({panels.dtype}) returned {rc}"
     return _narrowed(y, dtype)
+
+
+def _native(lib: ctypes.CDLL | None) -> bool:
+    """Another build was given, or the package's kernels are loaded."""
+    return lib is not None or cpu_kernels().native
 
 
 def _narrowed(y: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
