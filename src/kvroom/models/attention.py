@@ -206,7 +206,7 @@ def _select(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> tor
 def _native_decode(
     q: torch.Tensor, cache: torch.Tensor, g: DecodeGroup, scale: float, softcap: float | None
 ) -> torch.Tensor | None:
-    """The decode kernel where it has its vector path (AVX-512, head dim 64/128/256). Else,
+    """The decode kernel where it has its vector path (head dim 64/128/256). Else,
     without a softcap, the tiled prefill kernel with one query row per sequence, faster than
     the decode kernel's scalar path (8 sequences x 1,500 keys, bf16: 1.38 against 5.52 ms); the
     decode kernel serves the rest. None: neither applies."""

@@ -22,6 +22,8 @@
 #include "portable.h"
 #if defined(__AVX512F__)
 #include "avx512_attention.h"
+#else
+#include "vector_decode.h"
 #endif
 
 namespace {
@@ -35,6 +37,10 @@ inline bool vector_prefill_dim(int D) {
   return false;
 #endif
 }
+
+#if !defined(__AVX512F__)
+inline bool vector_decode_dim(int D) { return vector_decode8_dim(D); }
+#endif
 
 // query positions per work item of the AVX-512 path (``wide``) or the portable one
 inline int prefill_item_rows(bool wide) {
@@ -91,28 +97,35 @@ void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table
   }
 }
 
+// one item per sequence (all its KV heads: each row read whole, in order) while there are
+// sequences enough to share out; else one per (sequence, kv head)
+template <typename Item>
+void decode_items(int B, int KVH, int serial_max, Item&& item) {
+  const int per = B >= 4 * omp_get_max_threads() ? KVH : 1, n = B * (KVH / per);
+#pragma omp parallel if (n > serial_max)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n; ++it) item(it / (KVH / per), it % (KVH / per) * per, per, buf);
+  }
+}
+
 template <typename Q, typename KV>
 void decode(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
             int64_t t_stride, const int64_t* lens, Q* out, int B, int H, int KVH, int D,
             int unit_len, float scale, float softcap, int serial_max) {
-#if defined(__AVX512F__)
   if (vector_decode_dim(D)) {
-    // one item per sequence (all its KV heads: each row read whole, in order) while there are
-    // sequences enough to share out; else one per (sequence, kv head)
-    const int per = B >= 4 * omp_get_max_threads() ? KVH : 1, n = B * (KVH / per);
-#pragma omp parallel if (n > serial_max)
-    {
-      std::vector<float> buf;
-#pragma omp for schedule(dynamic, 1)
-      for (int it = 0; it < n; ++it) {
-        const int b = it / (KVH / per), g0 = it % (KVH / per) * per;
-        decode_item16(D, q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g0, per,
-                      H, KVH, unit_len, scale, softcap, buf);
-      }
-    }
+    decode_items(B, KVH, serial_max, [&](int b, int g0, int gn, std::vector<float>& buf) {
+#if defined(__AVX512F__)
+      decode_item16(D, q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g0, gn, H,
+                    KVH, unit_len, scale, softcap, buf);
+#else
+      decode_item8(D, q, q_stride, cache, tables + b * t_stride, lens[b], out, b, g0, gn, H,
+                   KVH, unit_len, scale, softcap, buf);
+#endif
+    });
     return;
   }
-#endif
   const int items = B * KVH;
 #pragma omp parallel if (items > serial_max)
   {
@@ -245,16 +258,9 @@ int kvroom_panel_glu_bf16(const float* x, int64_t x_stride, const uint16_t* w, u
   return checked_panel_glu(x, x_stride, w, y, M, K, N);
 }
 
-// 1 where the decode kernel takes its AVX-512 path for this head dim (faster than the prefill
-// kernel with one query row), else 0.
-int kvroom_decode_vectorized(int D) {
-#if defined(__AVX512F__)
-  return vector_decode_dim(D);
-#else
-  (void)D;
-  return 0;
-#endif
-}
+// 1 where the decode kernel takes its vector path for this head dim (AVX-512, or 8-float
+// vectors elsewhere: faster than the prefill kernel with one query row), else 0.
+int kvroom_decode_vectorized(int D) { return vector_decode_dim(D); }
 
 // 1 where the prefill kernel takes its AVX-512 path for this head dim, else 0.
 int kvroom_prefill_vectorized(int D) { return vector_prefill_dim(D); }

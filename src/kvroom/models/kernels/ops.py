@@ -32,9 +32,10 @@ def _serial_rows(columns: int) -> int:
 
 @cache
 def decode_vectorized(head_dim: int) -> bool:
-    """Whether ``decode_attention`` runs its AVX-512 path for this head dim: each key row read
-    once in place, no transposes (3x the prefill kernel with one query row, 32 sequences of
-    about 80 keys); else the prefill kernel is the faster of the two."""
+    """Whether ``decode_attention`` runs its vector path for this head dim (64, 128, 256): each
+    key row read once in place, no transposes. AVX-512: 3x the prefill kernel with one query
+    row, 32 sequences of about 80 keys; AVX2 (8-float vectors): 2.3x fp32, 2.7x bf16. Else the
+    prefill kernel is the faster of the two."""
     lib = library()
     return lib is not None and bool(lib.kvroom_decode_vectorized(head_dim))
 
