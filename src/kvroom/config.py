@@ -33,7 +33,8 @@ class DecoderOnlyConfig:
     kvcache_block_size: int = 16
     """Tokens per KV block."""
     kvcache_num_blocks: int | None = None
-    """KV blocks in the pool; None or 0 = estimate from device memory."""
+    """KV blocks in the pool; unset or 0 = estimate from device memory (at start-up also
+    auto, or elastic for serve)."""
     max_num_batched_tokens: int = 512
     """Token budget of one engine step; also the largest prefill chunk."""
     dtype: str = "float32"

@@ -59,6 +59,21 @@ def test_help_shows_the_sampling_defaults(capsys, tiny_artifact):
 
 
 @pytest.mark.parametrize(
+    ("argv", "wanted"),
+    [
+        (["--help"], "kvroom --get-kvcache-num-blocks OUT, kvroom --set-kvcache-num-blocks N OUT"),
+        (["run", "--help"], "N, or auto = re-estimate for this machine's memory (default: the"),
+        (["serve", "--help"], "or elastic = follow the memory while serving (default: the"),
+        (["compile", "--help"], "unset or 0 = estimate from device memory"),
+    ],
+)
+def test_help_names_every_spelling_and_value(capsys, argv, wanted):
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0
+    assert wanted in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--max-new-tokens", "0"], "--max-new-tokens: must be > 0, got 0"),
