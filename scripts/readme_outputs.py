@@ -24,6 +24,7 @@ import difflib
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -57,23 +58,49 @@ class Block:
 
 
 def kvroom(workdir: Path, command: str, *, generated: bool = False) -> str:
-    """``$ command`` and what it prints (``generated``: stdout is model text)."""
+    """``$ command`` and what it prints, stdout and stderr in the order they came
+    (``generated``: stdout is model text)."""
     argv = [sys.executable, "-m", "kvroom", *shlex.split(command)[1:]]
-    done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=600)
-    lines = [f"$ {command}", *shown_log(done.stderr)]
-    mark = GENERATED if generated else ""
-    lines += [mark + line for line in done.stdout.strip("\n").splitlines()]
-    if done.returncode:
-        lines.append(f"(exit {done.returncode})")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        argv, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    lines = [f"$ {command}"]
+    for is_stdout, line in interleaved(proc):
+        if is_stdout:
+            lines.append((GENERATED if generated else "") + line)
+        elif shown_log_line(line):
+            lines.append(line)
+    if proc.wait(600):
+        lines.append(f"(exit {proc.returncode})")
     return "\n".join(lines) + "\n"
 
 
+def interleaved(proc: subprocess.Popen[bytes]) -> Iterator[tuple[bool, str]]:
+    """(from stdout?, line) from both pipes as the lines arrive (never blocking on one pipe
+    while the other fills)."""
+    assert proc.stdout is not None and proc.stderr is not None
+    pending = {proc.stdout.fileno(): b"", proc.stderr.fileno(): b""}
+    is_stdout = {proc.stdout.fileno(): True, proc.stderr.fileno(): False}
+    while pending:
+        ready, _, _ = select.select(list(pending), [], [])
+        for fd in ready:
+            data = os.read(fd, 65536)
+            if data:
+                *lines, pending[fd] = (pending[fd] + data).split(b"\n")
+            else:  # closed: what is left is the last line
+                rest = pending.pop(fd)
+                lines = [rest] if rest else []
+            for line in lines:
+                yield is_stdout[fd], line.decode(errors="replace").rstrip("\r")
+
+
+def shown_log_line(line: str) -> bool:
+    return line.startswith("kvroom") and not line.startswith(MACHINE_LINES)
+
+
 def shown_log(stderr: str) -> list[str]:
-    return [
-        line
-        for line in stderr.splitlines()
-        if line.startswith("kvroom") and not line.startswith(MACHINE_LINES)
-    ]
+    return [line for line in stderr.splitlines() if shown_log_line(line)]
 
 
 # -- the blocks ----------------------------------------------------------------------------
@@ -187,10 +214,14 @@ BLOCKS: dict[str, Block] = {
 }
 
 
-def render_all(workdir: Path, names: set[str]) -> dict[str, str]:
-    texts = {n: BLOCKS[n].render(workdir) for n in names if not n.startswith("serve-")}
-    if any(n.startswith("serve-") for n in names):
-        texts.update(serve_blocks(workdir))
+def render_all(workdir: Path, names: list[str]) -> dict[str, str]:
+    """Every block, in the README's order (``set`` changes what later blocks show)."""
+    texts: dict[str, str] = {}
+    for name in names:
+        if name.startswith("serve-"):
+            texts.update(serve_blocks(workdir) if name not in texts else {})
+        else:
+            texts[name] = BLOCKS[name].render(workdir)
     return texts
 
 
@@ -242,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"README blocks {sorted(found)} != generated blocks {sorted(BLOCKS)}")
     with tempfile.TemporaryDirectory(prefix="readme-outputs-") as root:
         scratch_copy(args.artifact, Path(root))
-        texts = render_all(Path(root), set(found))
+        texts = render_all(Path(root), list(found))
     if args.write:
         args.readme.write_text(MARKER.sub(lambda m: fenced(m.group(1), texts), readme))
         return 0
