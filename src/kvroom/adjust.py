@@ -1,8 +1,9 @@
 """The one policy for a KV pool size, shared by compile, ``set`` and the start-up override.
 
 - not an int (a bool is not an int here) or <= 0: ``ConfigError`` (a ``ValueError``);
-- below ``num_min_blocks`` (one full-length sequence): ``MemoryNotEnoughError``, whose message
-  starts ``Memory is not enough`` and says what fits, what is needed and what to change;
+- below ``num_min_blocks`` (one full-length sequence): ``ConfigError`` naming the minimum;
+- an estimate below ``num_min_blocks``: ``MemoryNotEnoughError``, whose message starts
+  ``Memory is not enough`` and names the term that does not fit (``plan.shortfall``);
 - above the estimate: a warning, and the value is honoured (the caller knows its machine).
 """
 
@@ -13,9 +14,14 @@ import logging
 from kvroom.config import DecoderOnlyConfig, NumBlocksAdjuster
 from kvroom.errors import ConfigError, KvroomError, MemoryNotEnoughError
 from kvroom.plan import MemoryPlan
+from kvroom.plan.shortfall import shortfall_message
 from kvroom.units import format_bytes
 
 logger = logging.getLogger("kvroom")
+
+SOURCE_NAMES = {"override": "kvcache_num_blocks"}
+"""How a size's source is named in messages (a start-up override is the user's
+``kvcache_num_blocks``)."""
 
 
 class AdjusterError(KvroomError, RuntimeError):
@@ -26,8 +32,9 @@ def resolve_num_blocks(plan: MemoryPlan, cfg: DecoderOnlyConfig) -> MemoryPlan:
     """Choose the pool size at build time: the manual value, else the (adjusted) estimate.
 
     Raises:
-        MemoryNotEnoughError: the estimate or the chosen value is below ``num_min_blocks``.
-        ConfigError: the adjuster returned something that is not a positive int.
+        MemoryNotEnoughError: the estimate is below ``num_min_blocks``.
+        ConfigError: the manual or adjusted value is not a positive int, or is below
+            ``num_min_blocks``.
         AdjusterError: the adjuster raised.
     """
     if cfg.kvcache_num_blocks is not None:
@@ -44,7 +51,7 @@ def resolve_num_blocks(plan: MemoryPlan, cfg: DecoderOnlyConfig) -> MemoryPlan:
 def require_estimate_fits(plan: MemoryPlan) -> None:
     """Raise ``MemoryNotEnoughError`` when the budget cannot hold one full-length sequence."""
     if plan.estimated_num_blocks < plan.num_min_blocks:
-        raise MemoryNotEnoughError(not_enough_message(plan, requested=None, source="estimate"))
+        raise MemoryNotEnoughError(shortfall_message(plan))
 
 
 def call_adjuster(adjuster: NumBlocksAdjuster, estimated: int, cfg: DecoderOnlyConfig) -> object:
@@ -61,15 +68,14 @@ def validate_num_blocks(n: object, plan: MemoryPlan, *, source: str) -> int:
     """Apply the policy to ``n`` (from ``source``, named in messages) and return it.
 
     Raises:
-        ConfigError: ``n`` is not an int, or is <= 0.
-        MemoryNotEnoughError: ``n`` is below ``plan.num_min_blocks``.
+        ConfigError: ``n`` is not an int, is <= 0, or is below ``plan.num_min_blocks``.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise ConfigError(f"{source}: kvcache_num_blocks must be an int, got {n!r}")
     if n <= 0:
         raise ConfigError(f"{source}: kvcache_num_blocks must be > 0, got {n}")
     if n < plan.num_min_blocks:
-        raise MemoryNotEnoughError(not_enough_message(plan, requested=n, source=source))
+        raise ConfigError(below_minimum_message(plan, n, source))
     if n > plan.estimated_num_blocks:
         logger.warning(
             "%s: kvcache_num_blocks=%d is above the memory estimate of %d blocks "
@@ -83,16 +89,11 @@ def validate_num_blocks(n: object, plan: MemoryPlan, *, source: str) -> int:
     return n
 
 
-def not_enough_message(plan: MemoryPlan, *, requested: int | None, source: str) -> str:
-    """``Memory is not enough: ...`` with what fits, what one sequence needs, and the remedies."""
-    asked = "" if requested is None else f"{source} asks for {requested} blocks, but "
+def below_minimum_message(plan: MemoryPlan, requested: int, source: str) -> str:
+    """A size below one full-length sequence: the floor is the problem, not the memory."""
     return (
-        f"Memory is not enough: {asked}one full-length sequence (max_seq_len={plan.max_seq_len}) "
-        f"needs {plan.num_min_blocks} blocks of {plan.kvcache_block_size} tokens and "
-        f"{plan.num_fit_blocks} fit in the KV budget of {format_bytes(plan.kv_budget_bytes)} "
-        f"({format_bytes(plan.usable_bytes)} usable - weights - runtime - sliding window). "
-        f"To fit: lower max_seq_len (now {plan.max_seq_len}) or batch_size "
-        f"(now {plan.batch_size}), reserve less (kvcache_reserve_memory now "
-        f"{format_bytes(plan.kvcache_reserve_bytes)}), raise kvcache_memory_fraction "
-        f"(now {plan.kvcache_memory_fraction:g}), or use a smaller kv_dtype (now {plan.kv_dtype})"
+        f"{SOURCE_NAMES.get(source, source)}: {requested} blocks is below the minimum of "
+        f"{plan.num_min_blocks} (one max_seq_len={plan.max_seq_len} sequence in blocks of "
+        f"{plan.kvcache_block_size} tokens); use at least {plan.num_min_blocks}, or a lower "
+        f"max_seq_len at compile"
     )

@@ -71,7 +71,7 @@ def plan_model(
     Raises:
         ModelSourceError, ConfigError, MemoryNotEnoughError, AdjusterError.
     """
-    source = resolve_source(model)
+    source = resolve_source(model, check_config=ModelSpec.from_hf_config)
     spec = ModelSpec.from_hf_config(source.hf_config, source.image_processor)
     cfg = as_config(config, spec.architecture)
     memory = resolve_device_memory(cfg.device, cfg.device_memory)
@@ -136,10 +136,17 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
         Path(out),
         model=hf_model,
         tokenizer=tokenizer,
-        info=planned.info(Path(out)),
+        info=planned.info(Path(out), _provisional(planned.plan)),
         overwrite=overwrite,
         finalize=finalize,
     )
+
+
+def _provisional(plan: MemoryPlan) -> MemoryPlan:
+    """The plan the folder holds until ``finalize``: at least one full-length sequence, so
+    the profiling pass can load it even where the formula's runtime term leaves no room (the
+    measured one may, and the policy then decides)."""
+    return plan.with_num_blocks(max(plan.num_blocks, plan.num_min_blocks), plan.num_blocks_source)
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from kvroom.device import TARGET_PROFILES
 from kvroom.errors import ConfigError
-from kvroom.units import cdiv, normalize_dtype, parse_bytes
+from kvroom.units import COMPUTE_DTYPES, cdiv, normalize_dtype, parse_bytes
 
 DEVICES = ("cpu", "cuda")
 
@@ -33,13 +33,14 @@ class DecoderOnlyConfig:
     kvcache_block_size: int = 16
     """Tokens per KV block."""
     kvcache_num_blocks: int | None = None
-    """KV blocks in the pool; None or 0 = estimate from device memory."""
+    """KV blocks in the pool; unset or 0 = estimate from device memory (at start-up also
+    auto, or elastic for serve)."""
     max_num_batched_tokens: int = 512
     """Token budget of one engine step; also the largest prefill chunk."""
     dtype: str = "float32"
     """Weight and activation dtype (float32, bfloat16, float16)."""
     kv_dtype: str | None = None
-    """KV cache dtype; None = same as dtype."""
+    """KV cache dtype (a dtype, or float8_e4m3fn, float8_e5m2); None = same as dtype."""
     device: str = "cpu"
     """Device the artifact is planned for and run on: cpu, cuda or cuda:N."""
     device_memory: int | str | None = None
@@ -60,10 +61,10 @@ class DecoderOnlyConfig:
             _require_positive_int(name, getattr(self, name))
         _require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         self._normalize_num_blocks()
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype, "dtype", COMPUTE_DTYPES))
         kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
         object.__setattr__(self, "kv_dtype", normalize_dtype(kv_dtype, "kv_dtype"))
-        self._validate_device()
+        validate_device_name(self.device)
         self._normalize_memory_fields()
         adjuster = self.kvcache_num_blocks_adjuster
         if adjuster is not None and not callable(adjuster):
@@ -75,11 +76,6 @@ class DecoderOnlyConfig:
             object.__setattr__(self, "kvcache_num_blocks", None)
             return
         _require_positive_int("kvcache_num_blocks", n)
-
-    def _validate_device(self) -> None:
-        kind, sep, index = str(self.device).partition(":")
-        if kind not in DEVICES or (sep and not index.isdigit()):
-            raise ConfigError(f"device: unknown device {self.device!r}; use cpu, cuda or cuda:N")
 
     def _normalize_memory_fields(self) -> None:
         reserve = parse_bytes(self.kvcache_reserve_memory, "kvcache_reserve_memory")
@@ -149,6 +145,13 @@ class DecoderOnlyConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def validate_device_name(device: object) -> None:
+    """Raise ``ConfigError`` unless ``device`` is ``cpu``, ``cuda`` or ``cuda:N``."""
+    kind, sep, index = str(device).partition(":")
+    if kind not in DEVICES or (sep and not index.isdigit()):
+        raise ConfigError(f"device: unknown device {device!r}; use cpu, cuda or cuda:N")
 
 
 def _require_positive_int(name: str, value: object) -> None:

@@ -8,6 +8,7 @@ outs[0].outputs[i].logprobs                # vLLM's shape: one CompletionOutput 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from kvroom.engine.kv.live_pool import KVCacheState, resolve_resize
 from kvroom.engine.kv.migration import ResizeResult
 from kvroom.engine.params.sampling import SamplingParams
 from kvroom.engine.sched.output import TokenLogprobs
-from kvroom.errors import ConfigError
+from kvroom.errors import AdmissionError, ConfigError
 from kvroom.models.layers import widens_bf16_weights
 from kvroom.runtime import Runtime, build_runtime
 
@@ -119,7 +120,7 @@ class LLM:
             device_memory=device_memory,
             kvcache_reserve_memory=kvcache_reserve_memory,
             kvcache_memory_fraction=kvcache_memory_fraction,
-            widens_bf16=None if device not in (None, "cpu") else widens_bf16_weights(),
+            widens_bf16=None if device not in (None, "cpu") else widens_bf16_weights,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(info.folder))
         self.runtime: Runtime = build_runtime(
@@ -159,8 +160,9 @@ class LLM:
             persist: also write it into the artifact (the atomic ``kvroom set``).
 
         Raises:
-            MemoryNotEnoughError: below ``num_min_blocks`` (the policy's error).
-            ConfigError: not an int or "auto", or above the address space reserved at load.
+            ConfigError: not an int or "auto", below ``num_min_blocks`` (the policy's error),
+                or above the address space reserved at load.
+            MemoryNotEnoughError: "auto" finds too little memory.
         """
         runtime = self.runtime
         plan = resolve_resize(
@@ -229,15 +231,35 @@ class LLM:
         )
         return list(ids)
 
-    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
-        """Yield each step's output of one request (used by ``kvroom run``)."""
+    def stream(
+        self, prompt: Prompt, params: SamplingParams, *, fill_context: bool = False
+    ) -> Iterator[RequestOutput]:
+        """Yield each step's output of one request (used by ``kvroom run``).
+
+        With ``fill_context``, ``params.max_tokens`` becomes what ``max_seq_len`` leaves after
+        the prompt (vLLM's default for a request that names no ``max_tokens``).
+
+        Raises:
+            AdmissionError: the prompt leaves no room to generate, or can never be served.
+        """
         engine = self.runtime.engine
         tokens, multimodal = self._prepare(prompt)
+        if fill_context:
+            params = dataclasses.replace(params, max_tokens=self._room_left(len(tokens)))
         request_id = engine.add_request(tokens, params, multimodal=multimodal)
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id == request_id:
                     yield out
+
+    def _room_left(self, num_prompt_tokens: int) -> int:
+        max_seq_len = self.runtime.info.config.max_seq_len
+        if num_prompt_tokens >= max_seq_len:
+            raise AdmissionError(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"within max_seq_len ({max_seq_len}); shorten the prompt"
+            )
+        return max_seq_len - num_prompt_tokens
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

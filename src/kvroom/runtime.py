@@ -14,6 +14,7 @@ from typing import Any
 
 from kvroom import heap
 from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
+from kvroom.config import validate_device_name
 from kvroom.engine.engine import LLMEngine
 from kvroom.engine.kv.block_manager import BlockManager
 from kvroom.engine.kv.heap_guard import HeapGuard
@@ -21,6 +22,7 @@ from kvroom.engine.kv.pool import KVCachePool
 from kvroom.engine.model_runner import ModelRunner, load_model
 from kvroom.engine.sched.scheduler import Scheduler
 from kvroom.engine.structured.grammar import GrammarCompiler
+from kvroom.errors import ConfigError
 from kvroom.model_spec import ModelSpec
 from kvroom.plan import MemoryPlan
 
@@ -53,6 +55,31 @@ def _heap_guard(plan: MemoryPlan, pool: KVCachePool, device: str) -> HeapGuard |
     return HeapGuard(total_bytes, plan.measured.step_bytes, settled=lambda: pool.populated)
 
 
+def require_device(device: str) -> None:
+    """Check that this process can run on ``device`` before any weight is loaded.
+
+    Raises:
+        ConfigError: an unknown device name, or a CUDA device this machine does not have.
+    """
+    validate_device_name(device)
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(
+            f"device: {device!r} requested but CUDA is not available here (torch "
+            f"{torch.__version__}); run with --device cpu"
+        )
+    index = torch.device(device).index or 0
+    if index >= count:
+        raise ConfigError(
+            f"device: {device!r} requested but this machine has {count} CUDA device(s): "
+            f"use cuda:0 to cuda:{count - 1}"
+        )
+
+
 def read_spec(folder: Path) -> ModelSpec:
     return ModelSpec.from_hf_config(json.loads((folder / HF_CONFIG).read_text()))
 
@@ -76,6 +103,7 @@ def build_runtime(
 
     heap.configure()  # before the runtime starts threads (see kvroom/heap.py)
     device = device or info.config.device
+    require_device(device)
     model = load_model(info.folder, dtype=getattr(torch, info.config.dtype), device=device)
     return assemble_runtime(
         info,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,17 @@ class ModelSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def resolve_source(name: str | Path) -> ModelSource:
+ConfigCheck = Callable[[dict[str, Any]], object]
+"""Called with a folder's HF config before its weights are looked for (the architecture check:
+a folder kvroom cannot run is refused before it is asked for weights)."""
+
+
+def resolve_source(name: str | Path, check_config: ConfigCheck | None = None) -> ModelSource:
     """Resolve ``name`` (folder, .gguf path or built-in name) and read its headers.
 
     Raises:
-        ModelSourceError: the path does not exist, is not a model, or cannot be read.
+        ModelSourceError: the path does not exist, is not a model, or cannot be read (or
+            ``check_config``'s error for the HF config of a folder).
     """
     text = str(name)
     if text in BUILTIN_MODELS:
@@ -56,7 +63,7 @@ def resolve_source(name: str | Path) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(text, path)
     if path.is_dir():
-        return _from_folder(text, path)
+        return _from_folder(text, path, check_config)
     if not path.exists():
         builtins = ", ".join(BUILTIN_MODELS)
         raise ModelSourceError(
@@ -81,7 +88,7 @@ def builtin_gguf_path(name: str) -> Path:
     raise ModelSourceError(f"model {name!r}: {filename} is missing from package {dist}")
 
 
-def _from_folder(name: str, folder: Path) -> ModelSource:
+def _from_folder(name: str, folder: Path, check_config: ConfigCheck | None) -> ModelSource:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelSourceError(f"model {name!r}: {config_file} not found (not an HF model folder)")
@@ -91,6 +98,8 @@ def _from_folder(name: str, folder: Path) -> ModelSource:
         raise ModelSourceError(f"model {name!r}: cannot read {config_file}: {exc}") from None
     if not isinstance(hf_config, dict):
         raise ModelSourceError(f"model {name!r}: {config_file} does not hold a JSON object")
+    if check_config is not None:
+        check_config(hf_config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"model {name!r}: no *.safetensors weights in {folder}")
@@ -166,5 +175,42 @@ def count_gguf_parameters(path: Path) -> int:
     try:
         reader = GGUFReader(str(path))
     except Exception as exc:
+        check_gguf_size(path)  # a truncated file says so, and what size it should have
         raise ModelSourceError(f"cannot read GGUF header of {path}: {exc}") from None
     return sum(int(t.n_elements) for t in reader.tensors)
+
+
+def check_gguf_size(path: Path) -> None:
+    """Raise ``ModelSourceError`` when ``path`` ends before the data its header describes
+    (a download cut short); a file that is not GGUF at all is left to the caller's error."""
+    size = path.stat().st_size
+    try:
+        expected = _gguf_data_end(path)
+    except IndexError:  # the memory map ran out inside the header
+        raise ModelSourceError(
+            f"GGUF {path} is truncated: its {size:,} bytes end inside the header; download it again"
+        ) from None
+    except ValueError:
+        return
+    if size < expected:
+        raise ModelSourceError(
+            f"GGUF {path} is truncated: {size:,} bytes, but its header describes "
+            f"{expected:,}; download it again"
+        )
+
+
+def _gguf_data_end(path: Path) -> int:
+    """The byte where a GGUF file's last tensor ends, read from the header alone."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class HeaderOnly(GGUFReader):
+        data_end = 0
+
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for field in fields:
+                _, _, _, dims, raw_type, offset = field.parts
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                end = start_offs + int(offset[0]) + math.prod(map(int, dims)) * type_size // block
+                self.data_end = max(self.data_end, end)
+
+    return HeaderOnly(str(path)).data_end

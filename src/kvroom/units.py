@@ -16,6 +16,9 @@ DTYPE_BYTES: dict[str, int] = {
 }
 """Width of each supported dtype, by its torch name."""
 
+COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+"""Dtypes weights and activations can run in; the float8 ones are KV cache dtypes only."""
+
 DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32",
     "float": "float32",
@@ -89,12 +92,23 @@ def mib(num_bytes: int | float) -> str:
     return f"{num_bytes / 2**20:.1f} MiB"
 
 
-def normalize_dtype(value: str, field: str = "dtype") -> str:
-    """Map ``"bf16"``/``"torch.bfloat16"``/``"bfloat16"`` to the canonical torch name."""
+def normalize_dtype(
+    value: str, field: str = "dtype", supported: tuple[str, ...] = tuple(DTYPE_BYTES)
+) -> str:
+    """Map ``"bf16"``/``"torch.bfloat16"``/``"bfloat16"`` to the canonical torch name.
+
+    Raises:
+        ConfigError: not a dtype name, or not one of ``supported`` (the message lists them).
+    """
     if not isinstance(value, str):
         raise ConfigError(f"{field}: expected a dtype name, got {value!r}")
     name = value.strip().lower().removeprefix("torch.")
     name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise ConfigError(f"{field}: unknown dtype {value!r}; supported: {', '.join(DTYPE_BYTES)}")
+    if name in DTYPE_BYTES and name not in supported:
+        raise ConfigError(
+            f"{field}: {name} cannot hold weights and activations; supported: "
+            f"{', '.join(supported)} (float8 is for kv_dtype only)"
+        )
+    if name not in supported:
+        raise ConfigError(f"{field}: unknown dtype {value!r}; supported: {', '.join(supported)}")
     return name

@@ -38,6 +38,19 @@ def tiny_gemma3_artifact(tiny_gemma3_dir: Path, tmp_path_factory: pytest.TempPat
     return compile_tiny_artifact(tiny_gemma3_dir, tmp_path_factory.mktemp("artifacts") / "gemma3")
 
 
+@pytest.fixture(scope="session")
+def smol_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model compiled with the default config for 16 GiB, pinned to 256 blocks
+    (no profiling pass). Shared: do not modify."""
+    pytest.importorskip("gguf")
+    from kvroom.compile import compile as kvroom_compile
+
+    out = tmp_path_factory.mktemp("real") / "smollm2"
+    config = {"device_memory": "16GiB", "kvcache_num_blocks": 256}
+    kvroom_compile("smollm2-135m", out, config, profile=False)
+    return out
+
+
 @pytest.fixture
 def artifact_copy(tiny_artifact: Path, tmp_path: Path) -> Path:
     """A private copy of ``tiny_artifact`` that the test may change."""

@@ -11,7 +11,7 @@ import torch
 
 from kvroom.artifact.layout import config_path
 from kvroom.engine.params.sampling import SamplingParams
-from kvroom.errors import AdmissionError, ConfigError, MemoryNotEnoughError
+from kvroom.errors import AdmissionError, ConfigError
 from kvroom.llm import LLM
 from kvroom.modeling import KvroomModelForCausalLM
 
@@ -95,7 +95,7 @@ def test_small_pool_preempts_and_outputs_match(tiny_artifact: Path, llm: LLM) ->
 
 def test_startup_override_policy(tiny_artifact: Path, caplog: pytest.LogCaptureFixture) -> None:
     before = digest(config_path(tiny_artifact))
-    with pytest.raises(MemoryNotEnoughError, match="^Memory is not enough"):
+    with pytest.raises(ConfigError, match="^kvcache_num_blocks: 15 blocks is below the minimum"):
         LLM(tiny_artifact, kvcache_num_blocks=15)
     with pytest.raises(ConfigError, match="integer or 'auto'"):
         LLM(tiny_artifact, kvcache_num_blocks="many")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvroom.engine.params.sampling import SamplingParams
-from kvroom.errors import ConfigError, MemoryNotEnoughError
+from kvroom.errors import ConfigError
 from kvroom.llm import LLM
 from tiny_models import compile_tiny_artifact, write_tiny_llama
 
@@ -76,7 +76,7 @@ def test_greedy_outputs_of_32_requests_survive_4096_512_4096(big_pool_artifact: 
 
 def test_policy_refusals_leave_the_pool_alone(big_pool_artifact: Path) -> None:
     llm = LLM(big_pool_artifact, kvcache_num_blocks=256)
-    with pytest.raises(MemoryNotEnoughError, match=r"^Memory is not enough: resize asks for 127"):
+    with pytest.raises(ConfigError, match=r"^resize: 127 blocks is below the minimum of 128 "):
         llm.resize_kv_cache(127)
     with pytest.raises(ConfigError, match="integer or 'auto', got 'lots'"):
         llm.resize_kv_cache("lots")

@@ -90,7 +90,9 @@ def test_resize_under_traffic_keeps_every_request_and_updates_metrics(servers: d
     assert metrics["kvroom_kv_cache_resizes_total"] == before + 1
     r = server.post("/kv_cache", json={"num_blocks": 15}, headers=AUTH)
     assert r.status_code == 400
-    assert r.json()["error"]["message"].startswith("Memory is not enough: resize asks for 15")
+    assert r.json()["error"]["message"].startswith(
+        "resize: 15 blocks is below the minimum of 16 (one max_seq_len=64 sequence"
+    )
     r = server.post("/kv_cache", json={"num_blocks": 65}, headers=AUTH)
     assert r.status_code == 400 and "above the 64 blocks of address space" in r.text
     r = server.post("/kv_cache", json={"num_blocks": "lots"}, headers=AUTH)
@@ -107,7 +109,9 @@ def test_kvroom_resize_cli(servers: dict, capsys: pytest.CaptureFixture) -> None
     assert main(["resize", url, "32", "--admin-key", "wrong"]) == 2
     assert "HTTP 403: admin endpoint: missing or wrong admin key" in capsys.readouterr().err
     assert main(["resize", url, "8", "--admin-key", KEY]) == 2
-    assert "Memory is not enough" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "HTTP 400: resize: 8 blocks is below the minimum of 16" in err
+    assert "Memory is not enough" not in err  # memory is not what is wrong
 
 
 def test_persist_writes_the_artifact(servers: dict) -> None:

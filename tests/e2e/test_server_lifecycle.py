@@ -124,6 +124,10 @@ def test_a_bad_pool_override_is_one_line_and_exit_2(artifact_copy):
         timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines()[-1].startswith("kvroom: error: Memory is not enough")
+    assert result.stderr.splitlines()[-1] == (
+        "kvroom: error: kvcache_num_blocks: 3 blocks is below the minimum of 16 (one "
+        "max_seq_len=64 sequence in blocks of 4 tokens); use at least 16, or a lower max_seq_len "
+        "at compile"
+    )
     assert config.read_bytes() == original
     assert get_kvcache_num_blocks(artifact_copy) == RECORDED

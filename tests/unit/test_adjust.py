@@ -28,7 +28,7 @@ def memory_for(blocks: int) -> DeviceMemory:
 @pytest.fixture
 def config(make_config):
     def build(**overrides) -> DecoderOnlyConfig:
-        return make_config(batch_size=4, kvcache_memory_fraction=1.0, **overrides)
+        return make_config(**{"batch_size": 4, "kvcache_memory_fraction": 1.0, **overrides})
 
     return build
 
@@ -51,13 +51,6 @@ def _exact(message: str) -> str:
     return f"^{re.escape(message)}$"
 
 
-REMEDIES = (
-    "To fit: lower max_seq_len (now 32) or batch_size (now 4), reserve less "
-    "(kvcache_reserve_memory now 0 B), raise kvcache_memory_fraction (now 1), or use a smaller "
-    "kv_dtype (now float32)"
-)
-
-
 # -- no adjuster, no manual value ----------------------------------------------------------------
 def test_estimate_is_kept(plan_for, config) -> None:
     plan = plan_for(20)
@@ -69,24 +62,79 @@ def test_estimate_not_fitting_is_memory_not_enough(plan_for, config) -> None:
     plan = plan_for(7)  # one sequence needs 8
     expected = (
         "Memory is not enough: one full-length sequence (max_seq_len=32) needs 8 blocks of 4 "
-        "tokens and 7 fit in the KV budget of 7.00 KiB (100.06 KiB usable - weights - runtime - "
-        f"sliding window). {REMEDIES}"
-    )  # 7 x 1_024 = 7_168 B budget; usable 40_000 + 55_296 + 7_168 = 102_464 B
+        "tokens and 7 fit in the KV budget of 7.00 KiB, what the 100.06 KiB usable (100.06 KiB "
+        "device memory x kvcache_memory_fraction 1) leaves after weights 39.06 KiB + runtime "
+        "buffers 54.00 KiB. To fit: give kvroom at least 101.06 KiB of device memory "
+        "(device_memory now 100.06 KiB, explicit), lower max_seq_len (now 32) or batch_size "
+        "(now 4), or use a smaller kv_dtype (now float32)"
+    )  # 7 x 1_024 = 7_168 B budget; usable 40_000 + 55_296 + 7_168 = 102_464 B; one more block
     with pytest.raises(MemoryNotEnoughError, match=_exact(expected)):
         resolve_num_blocks(plan, config())
 
 
-def test_nothing_fits_at_all(make_spec, config) -> None:
+def test_weights_and_runtime_not_fitting_say_so(make_spec, config) -> None:
     plan = compute_plan(
         make_spec(), config(), num_parameters=10_000, memory=DeviceMemory(50_000, "explicit")
     )
-    # budget 50_000 - 40_000 - 55_296 = -45_296 B = -44.23 KiB
+    expected = (  # 40_000 + 55_296 = 95_296 B of fixed terms in 50_000 B; never a negative budget
+        "Memory is not enough: weights 39.06 KiB + runtime buffers 54.00 KiB = 93.06 KiB exceed "
+        "the 48.83 KiB usable (48.83 KiB device memory x kvcache_memory_fraction 1). To fit: give "
+        "kvroom at least 101.06 KiB of device memory (device_memory now 48.83 KiB, explicit), or "
+        "lower max_seq_len (now 32) or batch_size (now 4)"
+    )
+    with pytest.raises(MemoryNotEnoughError, match=_exact(expected)):
+        resolve_num_blocks(plan, config())
+
+
+def test_weights_alone_not_fitting_say_so(make_spec, config) -> None:
+    cfg = config(kvcache_memory_fraction=0.5, kvcache_reserve_memory=1_000)
+    plan = compute_plan(
+        make_spec(), cfg, num_parameters=10_000, memory=DeviceMemory(60_000, "explicit")
+    )
+    expected = (  # usable 30_000 - 1_000 = 29_000 B < 40_000 B of weights
+        "Memory is not enough: the weights alone (39.06 KiB) exceed the 28.32 KiB usable "
+        "(58.59 KiB device memory x kvcache_memory_fraction 0.5 - kvcache_reserve_memory "
+        "1000 B). To fit: give kvroom at least 204.08 KiB of device memory (device_memory now "
+        "58.59 KiB, explicit), reserve less (kvcache_reserve_memory now 1000 B), or raise "
+        "kvcache_memory_fraction (now 0.5)"
+    )  # (103_488 + 1_000) / 0.5 = 208_976 B
+    with pytest.raises(MemoryNotEnoughError, match=_exact(expected)):
+        resolve_num_blocks(plan, cfg)
+
+
+@pytest.mark.parametrize(
+    ("reserve", "fix"),
+    [
+        (200_750, "reserve at most 94.98 KiB"),  # 200_750 - 103_488 = 97_262 B
+        (10**12, "reserve at most 94.98 KiB"),
+    ],
+)
+def test_a_reserve_taking_everything_says_so(make_spec, config, reserve, fix) -> None:
+    cfg = config(kvcache_reserve_memory=reserve)
+    plan = compute_plan(
+        make_spec(), cfg, num_parameters=10_000, memory=DeviceMemory(200_750, "explicit")
+    )
+    message = (
+        r"^Memory is not enough: kvcache_reserve_memory \(\d+\.\d\d [KG]iB\) leaves nothing of "
+        r"the 196\.04 KiB kvroom may use \(196\.04 KiB device memory x kvcache_memory_fraction "
+        r"1\), and the weights, runtime and one sequence's KV need 101\.06 KiB\. To fit: "
+        + re.escape(fix)
+        + "$"
+    )
+    with pytest.raises(MemoryNotEnoughError, match=message):
+        resolve_num_blocks(plan, cfg)
+
+
+def test_a_reserve_in_too_little_memory_asks_for_both(make_spec, config) -> None:
+    cfg = config(kvcache_reserve_memory=60_000)
+    plan = compute_plan(
+        make_spec(), cfg, num_parameters=10_000, memory=DeviceMemory(50_000, "explicit")
+    )
     with pytest.raises(
         MemoryNotEnoughError,
-        match=r"^Memory is not enough: .* needs 8 blocks of 4 tokens and 0 fit in the KV budget "
-        r"of -44\.23 KiB \(48\.83 KiB usable",
+        match=r"To fit: reserve less, and give kvroom at least 101\.06 KiB of device memory$",
     ):
-        resolve_num_blocks(plan, config())
+        resolve_num_blocks(plan, cfg)
 
 
 def test_memory_not_enough_is_a_user_value_error() -> None:
@@ -131,21 +179,15 @@ def test_adjuster_bad_return(plan_for, config, returned: object, expected: str) 
     assert type(info.value) is ConfigError  # not MemoryNotEnoughError
 
 
-def test_adjuster_below_min_is_memory_not_enough(plan_for, config) -> None:
+def test_adjuster_below_min_names_the_minimum(plan_for, config) -> None:
     cfg = config(kvcache_num_blocks_adjuster=lambda n, c: 7)
     expected = (
-        "Memory is not enough: kvcache_num_blocks_adjuster asks for 7 blocks, but one full-length "
-        "sequence (max_seq_len=32) needs 8 blocks of 4 tokens and 20 fit in the KV budget of "
-        "20.00 KiB (113.06 KiB usable - weights - runtime - sliding window). "
-        f"{REMEDIES}"
-    )  # 20 x 1_024 = 20_480 B; usable 40_000 + 55_296 + 20_480 = 115_776 B
-    with pytest.raises(MemoryNotEnoughError, match=_exact(expected)) as info:
+        "kvcache_num_blocks_adjuster: 7 blocks is below the minimum of 8 (one max_seq_len=32 "
+        "sequence in blocks of 4 tokens); use at least 8, or a lower max_seq_len at compile"
+    )  # memory is not the problem: 20 blocks fit
+    with pytest.raises(ConfigError, match=_exact(expected)) as info:
         resolve_num_blocks(plan_for(20, cfg), cfg)
-    message = str(info.value)
-    assert message.startswith("Memory is not enough")
-    assert "20 fit" in message and "needs 8 blocks" in message
-    for remedy in ("lower max_seq_len", "batch_size", "reserve less", "raise kvcache_memory"):
-        assert remedy in message
+    assert type(info.value) is ConfigError  # not MemoryNotEnoughError
 
 
 def test_adjuster_at_min_is_accepted(plan_for, config) -> None:
@@ -214,14 +256,15 @@ def test_manual_value_wins_over_the_adjuster(plan_for, config) -> None:
     assert calls == []
 
 
-def test_manual_below_min_is_memory_not_enough(plan_for, config) -> None:
+def test_manual_below_min_names_the_minimum(plan_for, config) -> None:
     cfg = config(kvcache_num_blocks=5)
     with pytest.raises(
-        MemoryNotEnoughError,
-        match=r"^Memory is not enough: kvcache_num_blocks asks for 5 blocks, but one full-length "
-        r"sequence \(max_seq_len=32\) needs 8 blocks of 4 tokens and 20 fit ",
-    ):
+        ConfigError,
+        match=r"^kvcache_num_blocks: 5 blocks is below the minimum of 8 \(one max_seq_len=32 "
+        r"sequence in blocks of 4 tokens\); use at least 8, or a lower max_seq_len at compile$",
+    ) as info:
         resolve_num_blocks(plan_for(20, cfg), cfg)
+    assert not isinstance(info.value, MemoryNotEnoughError)
 
 
 def test_manual_above_estimate_warns_and_is_honoured(

@@ -127,6 +127,14 @@ def test_unknown_dtype() -> None:
         DecoderOnlyConfig(dtype="int4")
 
 
+@pytest.mark.parametrize("value", ["float8_e4m3fn", "fp8", "float8_e5m2"])
+def test_float8_holds_kv_only(value: str) -> None:
+    expected = r"^dtype: float8_e\w+ cannot hold weights and activations; supported: float32, "
+    with pytest.raises(ConfigError, match=expected + r"bfloat16, float16 \(float8 is for kv_"):
+        DecoderOnlyConfig(dtype=value)
+    assert DecoderOnlyConfig(kv_dtype=value).kv_dtype.startswith("float8_e")
+
+
 def test_unknown_kv_dtype() -> None:
     with pytest.raises(ConfigError, match=r"^kv_dtype: unknown dtype 'int8'; supported: float32, "):
         DecoderOnlyConfig(kv_dtype="int8")

@@ -102,14 +102,15 @@ def test_set_keeps_the_file_mode(art):
     assert path.stat().st_mode & 0o777 == 0o640
 
 
-def test_set_below_min_is_memory_not_enough_and_writes_nothing(art):
+def test_set_below_min_names_the_minimum_and_writes_nothing(art):
     before = config_bytes(art)
     with pytest.raises(
-        MemoryNotEnoughError,
-        match=rf"^Memory is not enough: set asks for 15 blocks, but one full-length sequence "
-        rf"\(max_seq_len=64\) needs {MIN_BLOCKS} blocks of 4 tokens",
-    ):
+        ConfigError,
+        match=rf"^set: 15 blocks is below the minimum of {MIN_BLOCKS} \(one max_seq_len=64 "
+        rf"sequence in blocks of 4 tokens\); use at least {MIN_BLOCKS}, or a lower max_seq_len",
+    ) as info:
         set_kvcache_num_blocks(art, MIN_BLOCKS - 1)
+    assert not isinstance(info.value, MemoryNotEnoughError)  # the memory holds far more
     assert config_bytes(art) == before
 
 
@@ -194,8 +195,9 @@ def test_set_auto_with_too_little_memory_errors_and_writes_nothing(art):
     before = config_bytes(art)
     with pytest.raises(
         MemoryNotEnoughError,
-        match=r"^Memory is not enough: one full-length sequence \(max_seq_len=64\) needs 16 "
-        r"blocks of 4 tokens and 0 fit",
+        match=r"^Memory is not enough: weights [\d.]+ KiB \+ runtime buffers [\d.]+ KiB = "
+        r"[\d.]+ KiB exceed the 921\.60 KiB usable \(1\.00 MiB device memory x "
+        r"kvcache_memory_fraction 0\.9\)\. To fit: give kvroom at least 1\.09 MiB",
     ):
         set_kvcache_num_blocks(art, "auto", device_memory="1MiB")
     assert config_bytes(art) == before

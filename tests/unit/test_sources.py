@@ -179,3 +179,55 @@ def test_builtin_gguf_path_finds_smollm2():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.is_file()
     assert path.stat().st_size > 50 * 2**20
+
+
+def test_unsupported_architecture_is_refused_before_weights(tmp_path):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    supported = re.escape(", ".join(SUPPORTED_ARCHITECTURES))
+    message = rf"^unsupported architecture BertModel; supported: {supported}$"
+    with pytest.raises(ModelSourceError, match=message):
+        plan_model(folder, {"device_memory": "1GiB"})  # not "no *.safetensors weights"
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A GGUF with two small float32 tensors (4 KiB and 2 KiB of data)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("a", np.ones((32, 32), dtype=np.float32))
+    writer.add_tensor("b", np.ones((16, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_data_end_is_the_file_size(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    assert sources._gguf_data_end(path) == path.stat().st_size
+    sources.check_gguf_size(path)  # complete: no error
+
+
+def test_truncated_gguf_says_so_with_the_size_it_should_have(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[: size - 1000])
+    with pytest.raises(
+        ModelSourceError,
+        match=rf"^GGUF .*m\.gguf is truncated: {size - 1000:,} bytes, but its header describes "
+        rf"{size:,}; download it again$",
+    ):
+        resolve_source(path)
+
+
+def test_gguf_cut_inside_its_header(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(
+        ModelSourceError, match=r"^GGUF .*m\.gguf is truncated: its 40 bytes end inside the header"
+    ):
+        resolve_source(path)

@@ -137,7 +137,7 @@ def test_tensor_parallel_plan_is_per_rank(tmp_path, make_spec, make_config) -> N
 def test_startup_override_uses_replan(default_art) -> None:
     args = engine_args(default_art, kvcache_num_blocks=2048)
     assert args["kv_cache_memory_bytes"] == 256 * 128 * 46_080
-    with pytest.raises(KvroomError, match="Memory is not enough"):
+    with pytest.raises(KvroomError, match="kvcache_num_blocks: 7 blocks is below the minimum"):
         engine_args(default_art, kvcache_num_blocks=7)
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from kvroom.adjust import require_estimate_fits, validate_num_blocks
@@ -48,17 +49,19 @@ def startup_plan(
     device_memory: int | str | None = None,
     kvcache_reserve_memory: int | str | None = None,
     kvcache_memory_fraction: float | None = None,
-    widens_bf16: bool | None = None,
+    widens_bf16: Callable[[], bool] | None = None,
 ) -> tuple[ArtifactInfo, MemoryPlan]:
     """The artifact at ``path`` and the plan a start-up override gives it (``replan`` with
     ``source="override"``); the artifact is not changed.
 
-    ``widens_bf16``: whether this CPU widens bf16 projections to fp32 at load; the measured
-    weights are adjusted to it when the measuring CPU differed (``MeasuredTerms.on_cpu``).
+    ``widens_bf16``: asks whether this CPU widens bf16 projections to fp32 at load; the
+    measured weights are adjusted to it when the measuring CPU differed
+    (``MeasuredTerms.on_cpu``). It is asked only once the artifact has been read (answering
+    builds the CPU kernels), so a missing artifact is reported first.
     """
     info = read_info(path)
     if widens_bf16 is not None:
-        info = info.with_plan(info.plan.on_cpu(widens_bf16))
+        info = info.with_plan(info.plan.on_cpu(widens_bf16()))
     plan = replan(
         info,
         num_blocks,

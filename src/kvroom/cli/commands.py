@@ -14,6 +14,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
     parser = parser_class(
         prog="kvroom",
         description="Prepare decoder-only LLMs with a paged KV cache fitted to the memory at hand.",
+        epilog="Upstream spellings of get and set: kvroom --get-kvcache-num-blocks OUT, "
+        "kvroom --set-kvcache-num-blocks N OUT.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
 

@@ -75,7 +75,7 @@ def _estimate(artifact: str, overrides: dict[str, Any]) -> int:
     from kvroom.models.layers import widens_bf16_weights
 
     knobs = ("device_memory", "kvcache_reserve_memory", "kvcache_memory_fraction")
-    here = None if overrides.get("device") not in (None, "cpu") else widens_bf16_weights()
+    here = None if overrides.get("device") not in (None, "cpu") else widens_bf16_weights
     try:
         _, plan = startup_plan(
             artifact, "auto", widens_bf16=here, **{k: overrides.get(k) for k in knobs}

@@ -64,10 +64,12 @@ def add_config_flags(
     parser: argparse.ArgumentParser,
     only: tuple[str, ...] | None = None,
     types: dict[str, Any] | None = None,
+    helps: dict[str, str] | None = None,
 ) -> None:
     """One flag per saveable config field (or only those named); default None = config default.
 
-    ``types`` overrides a field's parser (``run`` takes ``--kvcache-num-blocks N|auto``)."""
+    ``types`` overrides a field's parser (``run`` takes ``--kvcache-num-blocks N|auto``),
+    ``helps`` its help (where the flag means more than the field)."""
     docs = field_docs(DecoderOnlyConfig)
     excluded = DecoderOnlyConfig.non_save_attributes()
     for f in dataclasses.fields(DecoderOnlyConfig):
@@ -76,9 +78,8 @@ def add_config_flags(
         kind = _int if f.name in INT_FIELDS else _float if f.name in FLOAT_FIELDS else str
         kind = (types or {}).get(f.name, kind)
         default = "" if f.default is None else f" (default: {f.default})"
-        parser.add_argument(
-            flag(f.name), dest=f.name, type=kind, default=None, help=docs.get(f.name, "") + default
-        )
+        text = (helps or {}).get(f.name) or docs.get(f.name, "") + default
+        parser.add_argument(flag(f.name), dest=f.name, type=kind, default=None, help=text)
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,9 +88,20 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
-def add_startup_flags(parser: argparse.ArgumentParser) -> None:
-    """The start-up override: resize the pool for this start without touching the artifact."""
-    add_config_flags(parser, only=RUNTIME_FIELDS, types={"kvcache_num_blocks": str})
+def add_startup_flags(parser: argparse.ArgumentParser, *, elastic: bool = False) -> None:
+    """The start-up override: resize the pool for this start without touching the artifact
+    (``elastic``: ``serve``'s pool that follows the memory is offered too)."""
+    follow = ", or elastic = follow the memory while serving" if elastic else ""
+    blocks = (
+        "KV blocks for this start (the artifact is not changed): N, or auto = re-estimate for "
+        f"this machine's memory{follow} (default: the artifact's)"
+    )
+    add_config_flags(
+        parser,
+        only=RUNTIME_FIELDS,
+        types={"kvcache_num_blocks": str},
+        helps={"kvcache_num_blocks": blocks},
+    )
     parser.add_argument("--device", default=None, help="run on this device instead (cpu, cuda)")
 
 

@@ -12,13 +12,41 @@ from kvroom.cli.vllm_command import add_vllm_args_command
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="most tokens to generate (default: what max_seq_len leaves after the prompt)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default 0)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the most likely tokens whose probabilities add up to P, 0 < P <= 1 "
+        "(default 1: all)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample from the K most likely tokens (default 0: all)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
+    )
+
+
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "stop": "--stop",
+}
+"""``SamplingParams`` field -> the ``kvroom run`` flag that sets it (errors name the flag)."""
 
 
 def add_runtime_commands(sub: Any) -> None:
@@ -53,17 +81,33 @@ def add_runtime_commands(sub: Any) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
-    from kvroom.engine.params.sampling import SamplingParams
+    """The flags' ``SamplingParams`` (``max_tokens`` 1 stands in until the prompt is known
+    when ``--max-new-tokens`` is not given).
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_new_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    Raises:
+        ConfigError: a flag's value is out of range; the message names the flag.
+    """
+    from kvroom.engine.params.sampling import SamplingParams
+    from kvroom.errors import ConfigError
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=1 if args.max_new_tokens is None else args.max_new_tokens,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except ConfigError as exc:
+        raise ConfigError(_with_flag_name(str(exc))) from None
+
+
+def _with_flag_name(message: str) -> str:
+    """``SamplingParams.top_p: must be ...`` -> ``--top-p: must be ...``."""
+    field, sep, rest = message.removeprefix("SamplingParams.").partition(":")
+    return f"{SAMPLING_FLAGS[field]}{sep}{rest}" if sep and field in SAMPLING_FLAGS else message
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -80,7 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
         prompt = {key: prompt, "multi_modal_data": {"image": list(args.image)}}
     printed = 0
-    for out in llm.stream(prompt, params):
+    for out in llm.stream(prompt, params, fill_context=args.max_new_tokens is None):
         text = out.text or ""
         sys.stdout.write(text[printed:])
         sys.stdout.flush()

@@ -40,7 +40,7 @@ def add_serve_command(sub: Any) -> None:
         default="kvroom",
         help="kvroom's own runtime (default), or `vllm serve` given exactly the planned pool",
     )
-    add_startup_flags(p)
+    add_startup_flags(p, elastic=True)
     add_prefix_caching_flag(p)
     p.add_argument(
         "--persist",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import signal
 import socket
 import threading
@@ -56,6 +57,7 @@ from kvroom.server.openai.tokenize import router as tokenize_router
 from kvroom.server.openai.tools import ToolOptions, resolve_tools
 
 router = APIRouter()
+logger = logging.getLogger("kvroom")
 
 
 def create_app(
@@ -286,10 +288,25 @@ async def _chat_prompt(s: ServerState, body: ChatCompletionRequest) -> tuple[lis
 # -- running -----------------------------------------------------------------------------
 
 
+ABORT_GRACE_S = 10.0
+"""After the deadline's aborts, how long handlers get to send their last bytes (the engine
+finishes the step it is in first) before uvicorn cancels what is still running."""
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT that stopped it gracefully is not raised
-    again afterwards: uvicorn re-raises it (so the process dies of the signal), while
-    ``kvroom serve`` drains, stops the engine loop and exits 0."""
+    """uvicorn's server, with two changes for ``kvroom serve``:
+
+    - a SIGTERM/SIGINT that stopped it gracefully is not raised again afterwards (uvicorn
+      re-raises it, so the process would die of the signal): ``kvroom serve`` exits 0;
+    - at the shutdown deadline the engine aborts every live request, so each ends as a
+      response (``finish_reason`` "abort"; a stream then sends ``[DONE]``) instead of a
+      cancelled handler (a bare 500, a cut stream and a traceback).
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, deadline_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.deadline_s = deadline_s
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -304,6 +321,24 @@ class _Server(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.get_running_loop().call_later(self.deadline_s, self._abort_live)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    def _abort_live(self) -> None:
+        stats = self.engine.stats
+        live = stats.num_running + stats.num_waiting
+        if live:
+            logger.warning(
+                "shutdown: %d request(s) still running after --shutdown-timeout %gs; aborting them",
+                live,
+                self.deadline_s,
+            )
+        self.engine.shutdown(timeout=0)  # stop taking requests, abort and deliver the rest
+
 
 def serve(
     app: FastAPI,
@@ -315,7 +350,8 @@ def serve(
     """Serve ``app`` on the bound socket ``sock`` until SIGTERM/SIGINT.
 
     On the signal: stop accepting, let in-flight requests finish for up to
-    ``shutdown_timeout_s`` seconds, cancel (abort) what is left, stop the engine loop, return.
+    ``shutdown_timeout_s`` seconds, then abort what is left (each request still gets its
+    answer, with ``finish_reason`` "abort"), stop the engine loop, return.
     """
     config = uvicorn.Config(
         app,
@@ -323,6 +359,6 @@ def serve(
         http="auto",  # event loop less than asyncio's pure-Python loop and h11's framing
         lifespan="on",
         access_log=access_log,
-        timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=shutdown_timeout_s + ABORT_GRACE_S,  # type: ignore[arg-type]
     )
-    _Server(config).run(sockets=[sock])
+    _Server(config, app.state.kvroom.engine, shutdown_timeout_s).run(sockets=[sock])

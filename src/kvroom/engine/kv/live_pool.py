@@ -56,8 +56,9 @@ def resolve_resize(
             memory: only the minimum applies).
 
     Raises:
-        ConfigError: not an int or "auto", <= 0, or above ``max_num_blocks``.
-        MemoryNotEnoughError: below ``num_min_blocks``, or "auto" finds too little memory.
+        ConfigError: not an int or "auto", <= 0, below ``num_min_blocks``, or above
+            ``max_num_blocks``.
+        MemoryNotEnoughError: "auto" finds too little memory.
     """
     if requested == AUTO:
         memory = memory or probe(plan.device)
