@@ -106,28 +106,8 @@ void decode_item16(const Q* q, int64_t q_stride, const KV* cache, const int64_t*
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    float* s = sc + m * lp;
-    if (softcap > 0.f)
-      for (int64_t p = 0; p < len; ++p) s[p] = softcap * std::tanh(s[p] * scale / softcap);
-    for (int64_t p = len; p < lp; ++p) s[p] = -INFINITY;  // exp gives exactly 0
-    vf top = vld(s);
-    for (int64_t p = VW; p < lp; p += VW) {
-      const vf x = vld(s + p);
-      top = x > top ? x : top;
-    }
-    float mx = top[0];
-    for (int c = 1; c < VW; ++c) mx = top[c] > mx ? top[c] : mx;
-    vf sum = {};
-    for (int64_t p = 0; p < lp; p += VW) {
-      const vf e = vexp(vld(s + p) - mx);
-      vst(s + p, e);
-      sum += e;
-    }
-    float total = 0.f;
-    for (int c = 0; c < VW; ++c) total += sum[c];
-    qf[m * D] = 1.f / total;  // the query is spent: keep 1 / sum in its first slot
-  }
+  for (int m = 0; m < M; ++m)  // the query is spent: keep 1 / sum in its first slot
+    qf[m * D] = softmax_row(sc + m * lp, len, lp, scale, softcap);
   for (int g = 0; g < gn; ++g) {
     const KV* vbase = cache + static_cast<int64_t>(KVH + g0 + g) * D;
     for (int j0 = 0; j0 < G; j0 += JB) {

@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <type_traits>
 #include <cstdint>
 #include <vector>
 
@@ -46,9 +47,54 @@ inline void passes_of(int64_t M, int K, Pass&& pass) {
   }
 }
 
+// Large steps (``blocked``: fp32 results, at least BLOCKED_ROWS rows) sweep a panel in K blocks
+// of KB rows, each block (16 KiB of fp32) read from L1 by every pass of rows, not from L2:
+// 1.3x the single sweep at 128 rows, 1.15x at 512 (SmolLM2's projections, AVX2, one thread).
+// The product goes to ``t`` ([M, 32], fp32), summed block after block.
+constexpr int KB = 128;
+constexpr int64_t BLOCKED_ROWS = 64;
+
+inline bool blocked(int64_t M, int K) {
+#if defined(__AVX512F__)
+  (void)M, (void)K;
+  return false;  // measured on AVX2 only: the AVX-512 pass keeps its single sweep
+#else
+  return M >= BLOCKED_ROWS && K > KB;
+#endif
+}
+
+template <typename W>
+inline void blocked_product(const float* x, int64_t x_stride, const W* w, const float* bias,
+                            int64_t M, int K, float* t) {
+  for (int k0 = 0; k0 < K; k0 += KB) {
+    const int kb = K - k0 < KB ? K - k0 : KB;
+    passes_of<W>(M, kb, [&](int64_t m, int64_t rows, int64_t lead, int64_t rate) {
+      rows_of<MR_MAX>(rows, x + m * x_stride + k0, x_stride, w + k0 * PANEL,
+                      k0 ? nullptr : bias, kb, t + m * PANEL, PANEL,
+                      static_cast<const W*>(nullptr), lead, rate, k0 > 0);
+    });
+  }
+}
+
+inline std::vector<float>& blocked_buffer(int64_t floats) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < floats) buf.resize(floats);
+  return buf;
+}
+
 template <typename W, typename Y>
 inline void panel(const float* x, int64_t x_stride, const W* w, const float* bias, int64_t M,
                   int K, Y* y, int64_t y_stride, const W* next, bool acc) {
+  if (std::is_same_v<Y, float> && blocked(M, K)) {
+    float* t = blocked_buffer(M * PANEL).data();
+    blocked_product(x, x_stride, w, bias, M, K, t);
+    for (int64_t r = 0; r < M; ++r)  // y = t, or y += t (the product, then the add)
+      for (int c = 0; c < PANEL; c += VW) {
+        Y* yc = y + r * y_stride + c;
+        vst(yc, acc ? vld(yc) + vld(t + r * PANEL + c) : vld(t + r * PANEL + c));
+      }
+    return;
+  }
   passes_of<W>(M, K, [&](int64_t m, int64_t rows, int64_t lead, int64_t rate) {
     rows_of<MR_MAX>(rows, x + m * x_stride, x_stride, w, bias, K, y + m * y_stride, y_stride,
                     next, lead, rate, acc);
@@ -62,6 +108,17 @@ inline void panel(const float* x, int64_t x_stride, const W* w, const float* bia
 template <typename W, typename Y>
 inline void glu_panel(const float* x, int64_t x_stride, const W* gate, const W* up, int64_t M,
                       int K, Y* y, int64_t y_stride, const W* next_gate, const W* next_up) {
+  if constexpr (std::is_same_v<Y, float>) {
+    if (blocked(M, K)) {
+      float* g = blocked_buffer(2 * M * PANEL).data();
+      float* u = g + M * PANEL;
+      blocked_product(x, x_stride, gate, nullptr, M, K, g);
+      blocked_product(x, x_stride, up, nullptr, M, K, u);
+      for (int64_t r = 0; r < M; ++r)
+        silu_mul_span(g + r * PANEL, u + r * PANEL, y + r * y_stride, PANEL);
+      return;
+    }
+  }
   Y g[MR_MAX * PANEL];
   passes_of<W>(M, K, [&](int64_t m, int64_t rows, int64_t lead, int64_t rate) {
     const float* xm = x + m * x_stride;

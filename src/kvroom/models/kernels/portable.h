@@ -81,6 +81,28 @@ void decode_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* t
   }
 }
 
+// a row of decode scores -> weights in place (softcapped first where asked; exact softmax,
+// float32, padding up to lp weighted 0), 1 / sum returned
+inline float softmax_row(float* s, int64_t len, int64_t lp, float scale, float softcap) {
+  if (softcap > 0.f)
+    for (int64_t p = 0; p < len; ++p) s[p] = softcap * std::tanh(s[p] * scale / softcap);
+  for (int64_t p = len; p < lp; ++p) s[p] = -INFINITY;  // exp gives exactly 0
+  vf top = vld(s);
+  for (int64_t p = VW; p < lp; p += VW) {
+    const vf x = vld(s + p);
+    top = x > top ? x : top;
+  }
+  float mx = top[0];
+  for (int c = 1; c < VW; ++c) mx = top[c] > mx ? top[c] : mx;
+  vf sum = {};
+  for (int64_t p = 0; p < lp; p += VW) {
+    const vf e = vexp(vld(s + p) - mx);
+    vst(s + p, e);
+    sum += e;
+  }
+  return 1.f / hsum(sum);
+}
+
 // ---- Paged prefill attention: causal chunks, K/V read in place from the pool ----------------
 //
 //   q      [Tp, H, D] packed rows of B chunks, chunk b = q_lens[b] rows at positions

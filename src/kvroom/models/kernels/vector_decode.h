@@ -80,27 +80,6 @@ inline void scores8(const float* qf, const KV* kbase, const int64_t* table, int6
   }
 }
 
-// scores -> weights in place (exact softmax, float32), 1 / sum returned
-inline float softmax_row(float* s, int64_t len, int64_t lp, float scale, float softcap) {
-  if (softcap > 0.f)
-    for (int64_t p = 0; p < len; ++p) s[p] = softcap * std::tanh(s[p] * scale / softcap);
-  for (int64_t p = len; p < lp; ++p) s[p] = -INFINITY;  // exp gives exactly 0
-  vf top = vld(s);
-  for (int64_t p = VW; p < lp; p += VW) {
-    const vf x = vld(s + p);
-    top = x > top ? x : top;
-  }
-  float mx = top[0];
-  for (int c = 1; c < VW; ++c) mx = top[c] > mx ? top[c] : mx;
-  vf sum = {};
-  for (int64_t p = 0; p < lp; p += VW) {
-    const vf e = vexp(vld(s + p) - mx);
-    vst(s + p, e);
-    sum += e;
-  }
-  return 1.f / hsum(sum);
-}
-
 // One sequence's query heads g0 * G .. (g0 + gn) * G - 1 (kv heads g0 .. g0 + gn - 1)
 template <int DV, typename Q, typename KV>
 void decode_item8(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
