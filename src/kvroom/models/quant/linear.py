@@ -1,0 +1,140 @@
+"""``QuantizedLinear``: a weight in the layout of ``models/quant`` and its product with ``x``.
+
+The product dequantizes a tile of rows at a time into float32 (a tile stays in the L2 cache)
+and multiplies it with one GEMM, so no full float copy of the weight ever exists. PyTorch's
+own weight-only kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) were
+measured against this on an AVX2 CPU and lost at every row count, 1.1x to 90x
+(``benchmarks/quant_gemm.py``, figures in ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+TILE_VALUES = 1 << 17
+"""Weight values dequantized per GEMM (512 KiB of float32): at SmolLM2's widths a tile of
+~230 rows measured faster than 64-row tiles (less per-call overhead) and than the whole
+weight at once (which leaves the cache)."""
+
+
+class QuantizedLinear(nn.Module):
+    """A ``[out, in]`` weight in kvroom's quantized layout (see ``kvroom.models.quant``)."""
+
+    def __init__(
+        self,
+        kind: str,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group_size: int,
+        input_scale: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        rows, width = qweight.shape
+        in_features = width * 2 if kind == "int4" else width
+        expected = (
+            torch.uint8 if kind == "int4" else torch.int8,
+            (rows, in_features // group_size),
+        )
+        assert (qweight.dtype, tuple(scales.shape)) == expected, (kind, qweight.dtype, scales.shape)
+        assert mins is None or mins.shape == scales.shape
+        self.kind = kind
+        self.group_size = group_size
+        self.in_features = in_features
+        self.out_features = rows
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.register_buffer("input_scale", input_scale)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this weight holds (values, scales, mins, input scale)."""
+        return sum(b.nbytes for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        affine = "affine" if self.mins is not None else "symmetric"
+        return (
+            f"{self.kind}, out={self.out_features}, in={self.in_features}, "
+            f"group={self.group_size}, {affine}, scales={self.scales.dtype}"
+        )
+
+    # -- values ---------------------------------------------------------------------------------
+    def values(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """Integer values ``q`` of ``rows`` as stored (uint8 0..15 for int4, int8 for int8),
+        ``[r, in]``."""
+        q = self.qweight[rows] if isinstance(rows, slice) else self.qweight.index_select(0, rows)
+        if self.kind == "int8":
+            return q
+        return torch.stack((q & 15, q >> 4), dim=-1).view(q.shape[0], self.in_features)
+
+    def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """float32 ``W[rows]``: ``s * q (+ m)`` per group, a multiply then an add, exactly as
+        gguf-py's ``dequantize`` computes the GGUF types this layout holds."""
+        q = self.values(rows)
+        r, g = q.shape[0], self.group_size
+        s, m = self._group_params(rows)
+        values = q.view(r, -1, g).float()
+        if self.kind == "int4" and m is None:
+            values = values - 8.0
+        w = values * s[..., None]
+        if m is not None:
+            w = w + m[..., None]
+        return w.view(r, self.in_features)
+
+    def _group_params(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return (t[rows] if isinstance(rows, slice) else t.index_select(0, rows)).float()
+
+        return take(self.scales), None if self.mins is None else take(self.mins)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (an embedding lookup), dequantized, in ``dtype``."""
+        return self.dequantize(ids).to(dtype)
+
+    # -- product --------------------------------------------------------------------------------
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for ``x [T, in]``, accumulated in float32, in ``x``'s dtype."""
+        xf = x.float()
+        if self.input_scale is not None:
+            xf = xf * self.input_scale
+        out = xf.new_empty(xf.shape[0], self.out_features)
+        step = max(16, TILE_VALUES // self.in_features)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, min(start + step, self.out_features))
+            torch.mm(xf, self._dequantize_tile(rows).t(), out=out[:, rows])
+        if bias is not None:
+            out += bias
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _dequantize_tile(self, rows: slice) -> torch.Tensor:
+        """``dequantize(rows)`` in fewer passes (one fused multiply-add where affine): the
+        product's error bound is fp32 accumulation either way."""
+        q = self.values(rows)
+        r = q.shape[0]
+        s, m = self._group_params(rows)
+        q = q.view(r, -1, self.group_size)
+        if self.kind == "int4" and m is None:
+            q = q.view(torch.int8) - 8
+        w = q * s[..., None] if m is None else torch.addcmul(m[..., None], q, s[..., None])
+        return w.view(r, self.in_features)
+
+    # -- load-time transforms -------------------------------------------------------------------
+    def take_rows(self, index: torch.Tensor) -> QuantizedLinear:
+        """The same weight with its rows reordered (a row permutation is lossless)."""
+        mins = None if self.mins is None else self.mins.index_select(0, index)
+        return QuantizedLinear(
+            self.kind,
+            self.qweight.index_select(0, index),
+            self.scales.index_select(0, index),
+            mins,
+            self.group_size,
+            self.input_scale,
+        )
+
+    def with_input_scale(self, scale: torch.Tensor) -> QuantizedLinear:
+        """This weight with ``x`` scaled per column first (``W @ diag(scale)``, exactly)."""
+        return QuantizedLinear(
+            self.kind, self.qweight, self.scales, self.mins, self.group_size, scale.float()
+        )
