@@ -34,6 +34,11 @@ class PlannedModel:
     config: DecoderOnlyConfig
     plan: MemoryPlan
 
+    @property
+    def keeps_gguf(self) -> bool:
+        """The source is a GGUF file whose blocks the artifact keeps as shipped."""
+        return self.source.gguf_file is not None and self.config.quantization is None
+
     def info(self, folder: Path, plan: MemoryPlan | None = None) -> ArtifactInfo:
         model = {
             "architecture": self.spec.architecture,
@@ -75,11 +80,31 @@ def plan_model(
     spec = ModelSpec.from_hf_config(source.hf_config)
     cfg = as_config(config, spec.architecture)
     memory = resolve_device_memory(cfg.device, cfg.device_memory)
-    plan = compute_plan(spec, cfg, num_parameters=source.num_parameters, memory=memory)
+    plan = compute_plan(
+        spec,
+        cfg,
+        num_parameters=source.num_parameters,
+        memory=memory,
+        weight_types=_gguf_weight_types(source, cfg),
+    )
     if apply_policy:
         plan = resolve_num_blocks(plan, cfg)
         logger.info(plan.summary_line(pin_hint=True))
     return PlannedModel(source, spec, cfg, plan)
+
+
+def _gguf_weight_types(source: ModelSource, cfg: DecoderOnlyConfig) -> dict[str, int] | None:
+    """Resident bytes per kind of tensor of a GGUF kept as shipped (None: all in dtype).
+
+    Raises:
+        ModelSourceError: a truncated GGUF, or a block type kvroom does not run.
+    """
+    if source.gguf_file is None or cfg.quantization is not None:
+        return None
+    from kvroom.gguf_file import read_gguf, resident_bytes_by_type
+
+    header = read_gguf(source.folder / source.gguf_file)
+    return resident_bytes_by_type(header.tensors, cfg.dtype)
 
 
 def load_hf_model(planned: PlannedModel) -> tuple[Any, Any]:
@@ -119,7 +144,7 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
     if planned.config.kvcache_num_blocks is None:
         # Fail before loading weights when no measurement could make one sequence fit.
         require_estimate_fits(planned.plan.with_measured_runtime(0))
-    hf_model, tokenizer = load_hf_model(planned)
+    hf_model, tokenizer = shipped_gguf(planned) if planned.keeps_gguf else load_hf_model(planned)
 
     def finalize(folder: Path) -> ArtifactInfo:
         _copy_processor_files(planned.source.folder, folder)
@@ -140,6 +165,20 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
         overwrite=overwrite,
         finalize=finalize,
     )
+
+
+def shipped_gguf(planned: PlannedModel) -> tuple[Any, Any]:
+    """The GGUF file to copy as it is, with the configs and tokenizer its header gives."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from kvroom.artifact.writer import ShippedGguf
+
+    src = planned.source
+    assert src.gguf_file is not None
+    config = AutoConfig.from_pretrained(str(src.folder), **src.hf_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.folder), **src.hf_kwargs)
+    generation = GenerationConfig.from_model_config(config)
+    return ShippedGguf(src.folder / src.gguf_file, config, generation), tokenizer
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")

@@ -18,6 +18,8 @@ from kvroom.errors import ConfigError
 from kvroom.units import cdiv, normalize_dtype, parse_bytes
 
 DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("none",)
+"""``quantization`` values besides None (the source's own format)."""
 
 NumBlocksAdjuster = Callable[[int, "DecoderOnlyConfig"], int]
 
@@ -40,6 +42,9 @@ class DecoderOnlyConfig:
     """Weight and activation dtype (float32, bfloat16, float16)."""
     kv_dtype: str | None = None
     """KV cache dtype; None = same as dtype."""
+    quantization: str | None = None
+    """Weights: None = as the source ships them (a GGUF keeps its quantized blocks); none =
+    dequantized to dtype (--dequantize)."""
     device: str = "cpu"
     """Device the artifact is planned for and run on: cpu, cuda or cuda:N."""
     device_memory: int | str | None = None
@@ -64,6 +69,10 @@ class DecoderOnlyConfig:
         kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
         object.__setattr__(self, "kv_dtype", normalize_dtype(kv_dtype, "kv_dtype"))
         self._validate_device()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization: unknown {self.quantization!r}; one of {', '.join(QUANTIZATIONS)}"
+            )
         self._normalize_memory_fields()
         adjuster = self.kvcache_num_blocks_adjuster
         if adjuster is not None and not callable(adjuster):

@@ -107,7 +107,7 @@ def read_gguf(path: Path) -> GgufHeader:
     except ModelSourceError:
         raise
     except Exception as exc:  # gguf-py raises many types for a bad file
-        raise ModelSourceError(f"cannot read GGUF {path}: {exc}") from None
+        raise ModelSourceError(f"cannot read GGUF {path} (truncated or corrupted): {exc}") from None
     size = os.path.getsize(path)
     for t in tensors:
         if t.offset + t.nbytes > size:
