@@ -85,7 +85,7 @@ def plan_model(
         cfg,
         num_parameters=source.num_parameters,
         memory=memory,
-        weight_types=_gguf_weight_types(source, cfg),
+        weight_types=_weight_types(source, cfg),
     )
     if apply_policy:
         plan = resolve_num_blocks(plan, cfg)
@@ -93,18 +93,29 @@ def plan_model(
     return PlannedModel(source, spec, cfg, plan)
 
 
-def _gguf_weight_types(source: ModelSource, cfg: DecoderOnlyConfig) -> dict[str, int] | None:
-    """Resident bytes per kind of tensor of a GGUF kept as shipped (None: all in dtype).
+def _weight_types(source: ModelSource, cfg: DecoderOnlyConfig) -> dict[str, int] | None:
+    """Resident bytes per kind of tensor where weights are not all in the model dtype: a GGUF
+    kept as shipped, or a ``--quantization`` scheme (None: every weight in ``cfg.dtype``).
 
     Raises:
         ModelSourceError: a truncated GGUF, or a block type kvroom does not run.
     """
-    if source.gguf_file is None or cfg.quantization is not None:
-        return None
-    from kvroom.gguf_file import read_gguf, resident_bytes_by_type
+    from kvroom import gguf_file, quant_schemes
 
-    header = read_gguf(source.folder / source.gguf_file)
-    return resident_bytes_by_type(header.tensors, cfg.dtype)
+    if cfg.quantization not in (None, *quant_schemes.SCHEMES):
+        return None
+    if source.gguf_file is None:
+        if cfg.quantization is None:
+            return None
+        tied = bool(source.hf_config.get("tie_word_embeddings", False))
+        files = sorted(source.folder.glob("*.safetensors"))
+        shapes = quant_schemes.safetensors_shapes(files, tied)
+        return quant_schemes.resident_bytes_by_type(shapes, cfg.quantization, cfg.dtype)
+    header = gguf_file.read_gguf(source.folder / source.gguf_file)
+    if cfg.quantization is None:
+        return gguf_file.resident_bytes_by_type(header.tensors, cfg.dtype)
+    shapes = gguf_file.hf_shapes(header.tensors)
+    return quant_schemes.resident_bytes_by_type(shapes, cfg.quantization, cfg.dtype)
 
 
 def load_hf_model(planned: PlannedModel) -> tuple[Any, Any]:

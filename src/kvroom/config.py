@@ -18,7 +18,7 @@ from kvroom.errors import ConfigError
 from kvroom.units import cdiv, normalize_dtype, parse_bytes
 
 DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("none",)
+QUANTIZATIONS = ("none", "int8", "int4", "int4-g128")
 """``quantization`` values besides None (the source's own format)."""
 
 NumBlocksAdjuster = Callable[[int, "DecoderOnlyConfig"], int]
@@ -44,7 +44,8 @@ class DecoderOnlyConfig:
     """KV cache dtype; None = same as dtype."""
     quantization: str | None = None
     """Weights: None = as the source ships them (a GGUF keeps its quantized blocks); none =
-    dequantized to dtype (--dequantize)."""
+    dequantized to dtype (--dequantize); int8 = projections int8 per output channel; int4 /
+    int4-g128 = projections int4 in groups of 32 / 128, asymmetric."""
     device: str = "cpu"
     """Device the artifact is planned for and run on: cpu, cuda or cuda:N."""
     device_memory: int | str | None = None

@@ -164,6 +164,30 @@ def resident_bytes_by_type(tensors: list[GgufTensor], dtype: str) -> dict[str, i
     return out
 
 
+_HF_PROJECTIONS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_shapes(tensors: list[GgufTensor]) -> dict[str, tuple[int, ...]]:
+    """Shapes by name, decoder projections under their HF names (``model.layers.{i}...``) so
+    ``quant_schemes`` can plan a GGUF source re-quantized with ``--quantization``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for t in tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in _HF_PROJECTIONS:
+            out[f"model.layers.{parts[1]}.{_HF_PROJECTIONS[parts[2]]}.weight"] = t.dims
+        else:
+            out[t.name] = t.dims
+    return out
+
+
 def _tensor(t: object) -> GgufTensor:
     shape = [int(n) for n in t.shape]  # type: ignore[attr-defined]  # ggml order: cols first
     cols = shape[0]

@@ -133,3 +133,30 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return (
         w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kind", "group", "bound"),
+    [
+        ("int8", "int8", 512, 1 / 254),
+        ("int4", "int4", 32, 1 / 30),
+        ("int4-g128", "int4", 128, 1 / 30),
+    ],
+)
+def test_quantize_full_precision_weights(scheme: str, kind: str, group: int, bound: float) -> None:
+    from kvroom.models.quant.quantize import quantize
+    from kvroom.quant_schemes import SCHEMES
+
+    w = torch.randn(64, 512)
+    w[3] = 0.25  # a constant row: scale 0 must not divide
+    q = quantize(w, scheme)
+    assert (q.kind, q.group_size) == (kind, group)
+    assert q.resident_bytes == SCHEMES[scheme].resident_bytes(64, 512)
+    err = (q.dequantize() - w).abs()
+    if kind == "int8":
+        assert (err <= w.abs().amax(1, keepdim=True) * bound * 1.001).all()
+    else:
+        span = w.view(64, -1, group)
+        width = (span.amax(2) - span.amin(2)).repeat_interleave(group, 1)
+        assert (err <= width * bound + 2e-3).all()  # half a step, plus fp16 rounding of s, m
+    assert torch.equal(q.dequantize()[3], torch.full((512,), 0.25))

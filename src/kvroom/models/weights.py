@@ -36,6 +36,8 @@ from kvroom.models.layers import rope_permutation
 from kvroom.models.quant import QuantizedLinear
 from kvroom.models.quant.fuse import concat_rows
 from kvroom.models.quant.gguf_checkpoint import GgufCheckpoint
+from kvroom.models.quant.quantize import quantize
+from kvroom.quant_schemes import SCHEMES
 
 AnyCheckpoint = Checkpoint | GgufCheckpoint
 QUANTIZED_PARAMS = ("qkv", "o_proj", "gate_up", "down", "embed") + (
@@ -44,8 +46,11 @@ QUANTIZED_PARAMS = ("qkv", "o_proj", "gate_up", "down", "embed") + (
 """Parameters kept in the quantized layout when their source tensors are quantized."""
 
 
-def load_weights(model: DecoderModel, folder: str | Path) -> None:
+def load_weights(model: DecoderModel, folder: str | Path, quantization: str | None = None) -> None:
     """Fill ``model`` (built on meta) from the HF safetensors in ``folder``, then ``post_load``.
+
+    ``quantization`` (``int8``, ``int4``, ``int4-g128``: ``kvroom.quant_schemes``) quantizes
+    each projection of a full-precision checkpoint as it is read; None or ``none`` keeps it.
 
     The load's resident peak is its end state: tensors are read into memory of their own
     (``Checkpoint``, no file mapping), and under ``heap.loading()`` every transient copy
@@ -57,9 +62,15 @@ def load_weights(model: DecoderModel, folder: str | Path) -> None:
     with heap.loading():
         with open_checkpoint(model, Path(folder)) as ckpt:
             custom = getattr(model, "load_tensor", None)  # a model whose layers differ in shape
+            scheme = quantization if quantization in SCHEMES else None
+            if custom and scheme:
+                raise ModelSourceError(
+                    f"{model.spec.architecture}: --quantization {scheme} runs on the "
+                    "Llama-family decoder only"
+                )
             state: dict[str, torch.Tensor] = {}
             for name in model.state_dict():
-                value = custom(ckpt.get, name) if custom else _load_one(model, ckpt, name)
+                value = custom(ckpt.get, name) if custom else _load_one(model, ckpt, name, scheme)
                 state.update(_entries(model, name, value))
             if (table := _quantized_tied_embedding(model, ckpt)) is not None:
                 state.update(_entries(model, "embed", table))
@@ -118,7 +129,7 @@ def _quantized_tied_embedding(model: DecoderModel, ckpt: AnyCheckpoint) -> Quant
 
 
 def _load_one(
-    model: DecoderModel, ckpt: AnyCheckpoint, name: str
+    model: DecoderModel, ckpt: AnyCheckpoint, name: str, scheme: str | None = None
 ) -> torch.Tensor | QuantizedLinear:
     """Read, fuse and transform the HF tensors behind one kvroom parameter.
 
@@ -151,6 +162,8 @@ def _load_one(
         tensor = tensor.float() * _norm_weight(
             model, ckpt.get(prefix + model.hf_folded_norms[param])
         )
+    if scheme is not None and param in _PROJECTIONS:
+        return quantize(tensor, scheme)
     tensor = tensor.to(model.dtype).contiguous()
     return tensor.t() if param in _TRANSPOSED else tensor
 
@@ -174,6 +187,9 @@ def _permuted_rows(w: QuantizedLinear, head_dim: int) -> QuantizedLinear:
     rows = torch.arange(w.out_features).reshape(-1, head_dim)
     return w.take_rows(rows[:, rope_permutation(head_dim)].reshape(-1))
 
+
+_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+"""What ``--quantization int8|int4`` quantizes (``kvroom.quant_schemes``)."""
 
 _TRANSPOSED = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 """Loaded as ``[in, out]`` views of HF's ``[out, in]`` rows; ``post_load`` gives each the form

