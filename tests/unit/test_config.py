@@ -171,7 +171,8 @@ def test_bad_device_memory(value: object, expected: str) -> None:
 
 
 def test_quantization_names_the_choices() -> None:
-    with pytest.raises(ConfigError, match=_exact("quantization: unknown 'int3'; one of none, int8, int4, int4-g128")):
+    expected = "quantization: unknown 'int3'; one of none, int8, int4, int4-g128"
+    with pytest.raises(ConfigError, match=_exact(expected)):
         DecoderOnlyConfig(quantization="int3")
     assert DecoderOnlyConfig(quantization="none").quantization == "none"
 
