@@ -76,6 +76,11 @@ class ArtifactInfo:
         return json.dumps(doc, indent=2) + "\n"
 
 
+def hf_load_kwargs(folder: str | Path) -> dict[str, str]:
+    """Extra ``from_pretrained`` arguments transformers needs to load the artifact's weights."""
+    return {"gguf_file": GGUF_WEIGHTS} if (Path(folder) / GGUF_WEIGHTS).is_file() else {}
+
+
 def config_path(folder: Path) -> Path:
     return Path(folder) / KVROOM_CONFIG
 
