@@ -31,7 +31,7 @@ def smol_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("gguf")
     out = tmp_path_factory.mktemp("real") / "smollm2"
     config = {"max_seq_len": 512, "batch_size": 8, "kvcache_num_blocks": 256}
-    kvroom_compile("smollm2-135m", out, config, profile=False)
+    kvroom_compile("smollm2-135m", out, {**config, "quantization": "none"}, profile=False)
     return out
 
 
