@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvroom.cli import main
-from kvroom.compile import compile as kvroom_compile
 from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
 
@@ -27,12 +26,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smol_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("gguf")
-    out = tmp_path_factory.mktemp("real") / "smollm2"
-    config = {"max_seq_len": 512, "batch_size": 8, "kvcache_num_blocks": 256}
-    kvroom_compile("smollm2-135m", out, {**config, "quantization": "none"}, profile=False)
-    return out
+def smol_artifact(smol_fp32_artifact: Path) -> Path:
+    return smol_fp32_artifact
 
 
 def test_greedy_equals_hf_generate_for_a_mixed_batch(smol_artifact: Path) -> None:

@@ -27,17 +27,20 @@ PROMPTS = [
     "Hi",
     "List two planets of the solar system.",
 ]
-CONFIG = {"max_seq_len": 256, "batch_size": 8, "kvcache_num_blocks": 128}
+
+
+CONFIG = {"max_seq_len": 512, "batch_size": 8, "kvcache_num_blocks": 256}
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def artifacts(
+    tmp_path_factory: pytest.TempPathFactory, smol_fp32_artifact: Path
+) -> dict[str, Path]:
+    """The GGUF kept as shipped, and (shared) the same model dequantized to fp32."""
     pytest.importorskip("gguf")
-    root = tmp_path_factory.mktemp("gguf-real")
-    out = {"gguf": root / "gguf", "fp32": root / "fp32"}
-    kvroom_compile("smollm2-135m", out["gguf"], CONFIG, profile=False)
-    kvroom_compile("smollm2-135m", out["fp32"], {**CONFIG, "quantization": "none"}, profile=False)
-    return out
+    out = tmp_path_factory.mktemp("gguf-real") / "gguf"
+    kvroom_compile("smollm2-135m", out, CONFIG, profile=False)
+    return {"gguf": out, "fp32": smol_fp32_artifact}
 
 
 def test_the_file_is_kept_as_shipped_and_planned_as_loaded(artifacts: dict[str, Path]) -> None:
