@@ -37,3 +37,16 @@ def test_quantized_artifact_plans_and_runs(source: Path, tmp_path: Path, scheme:
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate(["hello"], greedy)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_get_set_and_live_resize_work_on_a_quantized_artifact(source: Path, tmp_path: Path) -> None:
+    from kvroom import get_kvcache_num_blocks, set_kvcache_num_blocks
+
+    art = compile_tiny_artifact(source, tmp_path / "int4", quantization="int4")
+    set_kvcache_num_blocks(art, 32)
+    assert get_kvcache_num_blocks(art) == 32
+    llm = LLM(str(art))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    before = llm.generate(["hello"], greedy)[0].token_ids
+    assert llm.resize_kv_cache(16).to_blocks == 16
+    assert llm.generate(["hello"], greedy)[0].token_ids == before
