@@ -60,6 +60,7 @@ def _tiny(name: str, model_type: str, workload: str, **config: Any) -> Case:
 
 
 def _smol(name: str, workload: str, **config: Any) -> Case:
+    """The default model; ``quantization="none"`` for its dequantized (fp32/bf16) artifact."""
     return Case(name, "smollm2-135m", dict(config), workload)
 
 
@@ -72,8 +73,10 @@ SMALL = [
         "tiny-qwen2-bf16-fp8-serve", "qwen2", "serve", dtype="bfloat16", kv_dtype="float8_e4m3fn"
     ),
     _tiny("tiny-llama-budget16-decode", "llama", "decode", max_num_batched_tokens=16),
+    _tiny("tiny-llama-int4-decode", "llama", "decode", quantization="int4"),
 ]
-"""About six cases, every architecture, both sliding models; tiny enough for CI."""
+"""About seven cases, every architecture, both sliding models, quantized projections; tiny
+enough for CI."""
 
 FULL = [
     *SMALL,
@@ -86,7 +89,14 @@ FULL = [
         kvcache_num_blocks=512,
     ),
     _tiny("tiny-gemma3-L2048-bs8", "gemma3_text", "prefill", max_seq_len=2048, batch_size=8),
-    _smol("smol-fp32-L512-bs8-2GiB", "decode", max_seq_len=512, batch_size=8, device_memory="2GiB"),
+    _smol(
+        "smol-fp32-L512-bs8-2GiB",
+        "decode",
+        max_seq_len=512,
+        batch_size=8,
+        device_memory="2GiB",
+        quantization="none",
+    ),
     _smol(
         "smol-fp32-L256-bs32",
         "prefill",
@@ -94,6 +104,7 @@ FULL = [
         batch_size=32,
         max_num_batched_tokens=2048,
         device_memory="4GiB",
+        quantization="none",
     ),
     _smol(
         "smol-bf16-L256-bs8-topp",
@@ -102,6 +113,7 @@ FULL = [
         batch_size=8,
         dtype="bfloat16",
         device_memory="2GiB",
+        quantization="none",
     ),
     _smol(
         "smol-fp8kv-L256-bs8-serve",
@@ -110,6 +122,23 @@ FULL = [
         batch_size=8,
         kv_dtype="float8_e4m3fn",
         device_memory="2GiB",
+        quantization="none",
+    ),
+    _smol(
+        "smol-q4_1-gguf-L512-bs8-1GiB",
+        "decode",
+        max_seq_len=512,
+        batch_size=8,
+        device_memory="1GiB",
+    ),
+    _smol(
+        "smol-int8-L256-bs8-mixed",
+        "mixed",
+        max_seq_len=256,
+        batch_size=8,
+        kvcache_num_blocks=64,
+        device_memory="2GiB",
+        quantization="int8",
     ),
     _smol(
         "smol-fp32-L256-bs8-mixed",
@@ -118,6 +147,7 @@ FULL = [
         batch_size=8,
         kvcache_num_blocks=64,
         device_memory="2GiB",
+        quantization="none",
     ),
 ]
 """The benchmark: the small matrix plus longer sequences, larger batches and the real model."""

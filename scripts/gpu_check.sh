@@ -14,7 +14,7 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print('torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 200 "$PY" -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider
-"$PY" -m kvroom compile smollm2-135m -o "$ART" --device cuda --dtype bfloat16 \
+"$PY" -m kvroom compile smollm2-135m -o "$ART" --device cuda --dtype bfloat16 --dequantize \
     --kvcache-num-blocks 1024 --overwrite >/dev/null
 if [ -n "${KVROOM_VLLM_PYTHON:-}" ]; then
     timeout 240 "$PY" benchmarks/vllm_peer.py "$ART" --repeats 2 --json "$ART/../vllm-peer.json"

@@ -131,8 +131,9 @@ LOAD_HF = (
     """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from kvroom.artifact.layout import hf_load_kwargs
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], **hf_load_kwargs(sys.argv[1]))
 model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=1, do_sample=False)
 """
     + _SINCE_START
@@ -170,7 +171,11 @@ def run_bench(
     llm = LLM(artifact)
     prompts = chat_prompts(llm.tokenizer, num_requests)
     dtype = getattr(torch, llm.runtime.info.config.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(artifact), dtype=dtype)
+    from kvroom.artifact.layout import hf_load_kwargs
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(artifact), dtype=dtype, **hf_load_kwargs(artifact)
+    )
     results: dict[str, Any] = {
         "artifact": str(artifact),
         "dtype": str(dtype),

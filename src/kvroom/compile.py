@@ -34,6 +34,11 @@ class PlannedModel:
     config: DecoderOnlyConfig
     plan: MemoryPlan
 
+    @property
+    def keeps_gguf(self) -> bool:
+        """The source is a GGUF file whose blocks the artifact keeps as shipped."""
+        return self.source.gguf_file is not None and self.config.quantization is None
+
     def info(self, folder: Path, plan: MemoryPlan | None = None) -> ArtifactInfo:
         model = {
             "architecture": self.spec.architecture,
@@ -75,11 +80,42 @@ def plan_model(
     spec = ModelSpec.from_hf_config(source.hf_config, source.image_processor)
     cfg = as_config(config, spec.architecture)
     memory = resolve_device_memory(cfg.device, cfg.device_memory)
-    plan = compute_plan(spec, cfg, num_parameters=source.num_parameters, memory=memory)
+    plan = compute_plan(
+        spec,
+        cfg,
+        num_parameters=source.num_parameters,
+        memory=memory,
+        weight_types=_weight_types(source, cfg),
+    )
     if apply_policy:
         plan = resolve_num_blocks(plan, cfg)
         logger.info(plan.summary_line(pin_hint=True))
     return PlannedModel(source, spec, cfg, plan)
+
+
+def _weight_types(source: ModelSource, cfg: DecoderOnlyConfig) -> dict[str, int] | None:
+    """Resident bytes per kind of tensor where weights are not all in the model dtype: a GGUF
+    kept as shipped, or a ``--quantization`` scheme (None: every weight in ``cfg.dtype``).
+
+    Raises:
+        ModelSourceError: a truncated GGUF, or a block type kvroom does not run.
+    """
+    from kvroom import gguf_file, quant_schemes
+
+    if cfg.quantization not in (None, *quant_schemes.SCHEMES):
+        return None
+    if source.gguf_file is None:
+        if cfg.quantization is None:
+            return None
+        tied = bool(source.hf_config.get("tie_word_embeddings", False))
+        files = sorted(source.folder.glob("*.safetensors"))
+        shapes = quant_schemes.safetensors_shapes(files, tied)
+        return quant_schemes.resident_bytes_by_type(shapes, cfg.quantization, cfg.dtype)
+    header = gguf_file.read_gguf(source.folder / source.gguf_file)
+    if cfg.quantization is None:
+        return gguf_file.resident_bytes_by_type(header.tensors, cfg.dtype)
+    shapes = gguf_file.hf_shapes(header.tensors)
+    return quant_schemes.resident_bytes_by_type(shapes, cfg.quantization, cfg.dtype)
 
 
 def load_hf_model(planned: PlannedModel) -> tuple[Any, Any]:
@@ -119,7 +155,7 @@ def compile(  # noqa: A001 - the verb users expect, as in `kvroom compile`
     if planned.config.kvcache_num_blocks is None:
         # Fail before loading weights when no measurement could make one sequence fit.
         require_estimate_fits(planned.plan.with_measured_runtime(0))
-    hf_model, tokenizer = load_hf_model(planned)
+    hf_model, tokenizer = shipped_gguf(planned) if planned.keeps_gguf else load_hf_model(planned)
 
     def finalize(folder: Path) -> ArtifactInfo:
         _copy_processor_files(planned.source.folder, folder)
@@ -147,6 +183,20 @@ def _provisional(plan: MemoryPlan) -> MemoryPlan:
     the profiling pass can load it even where the formula's runtime term leaves no room (the
     measured one may, and the policy then decides)."""
     return plan.with_num_blocks(max(plan.num_blocks, plan.num_min_blocks), plan.num_blocks_source)
+
+
+def shipped_gguf(planned: PlannedModel) -> tuple[Any, Any]:
+    """The GGUF file to copy as it is, with the configs and tokenizer its header gives."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from kvroom.artifact.writer import ShippedGguf
+
+    src = planned.source
+    assert src.gguf_file is not None
+    config = AutoConfig.from_pretrained(str(src.folder), **src.hf_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.folder), **src.hf_kwargs)
+    generation = GenerationConfig.from_model_config(config)
+    return ShippedGguf(src.folder / src.gguf_file, config, generation), tokenizer
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")

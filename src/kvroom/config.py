@@ -18,6 +18,8 @@ from kvroom.errors import ConfigError
 from kvroom.units import COMPUTE_DTYPES, cdiv, normalize_dtype, parse_bytes
 
 DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("none", "int8", "int4", "int4-g128")
+"""``quantization`` values besides None (the source's own format)."""
 
 NumBlocksAdjuster = Callable[[int, "DecoderOnlyConfig"], int]
 
@@ -41,6 +43,10 @@ class DecoderOnlyConfig:
     """Weight and activation dtype (float32, bfloat16, float16)."""
     kv_dtype: str | None = None
     """KV cache dtype (a dtype, or float8_e4m3fn, float8_e5m2); None = same as dtype."""
+    quantization: str | None = None
+    """Weights: None = as the source ships them (a GGUF keeps its quantized blocks); none =
+    dequantized to dtype (--dequantize); int8 = projections int8 per output channel; int4 /
+    int4-g128 = projections int4 in groups of 32 / 128, asymmetric."""
     device: str = "cpu"
     """Device the artifact is planned for and run on: cpu, cuda or cuda:N."""
     device_memory: int | str | None = None
@@ -65,6 +71,10 @@ class DecoderOnlyConfig:
         kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
         object.__setattr__(self, "kv_dtype", normalize_dtype(kv_dtype, "kv_dtype"))
         validate_device_name(self.device)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization: unknown {self.quantization!r}; one of {', '.join(QUANTIZATIONS)}"
+            )
         self._normalize_memory_fields()
         adjuster = self.kvcache_num_blocks_adjuster
         if adjuster is not None and not callable(adjuster):

@@ -78,7 +78,7 @@ def profile(folder: Path) -> MeasuredTerms:
         tokenizer = _load_tokenizer(folder)
     dtype = getattr(torch, info.config.dtype)
     with stages.stage(got, "weights"):
-        model = load_model(folder, dtype=dtype, device=info.config.device)
+        model = load_model(folder, dtype, info.config.device, info.config.quantization)
     plan = info.plan.with_num_blocks(info.config.num_min_blocks, "profile")
     with stages.stage(got, "engine"):
         runtime = assemble_runtime(info, plan, model, tokenizer=tokenizer)

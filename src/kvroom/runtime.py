@@ -104,7 +104,8 @@ def build_runtime(
     heap.configure()  # before the runtime starts threads (see kvroom/heap.py)
     device = device or info.config.device
     require_device(device)
-    model = load_model(info.folder, dtype=getattr(torch, info.config.dtype), device=device)
+    cfg = info.config
+    model = load_model(info.folder, getattr(torch, cfg.dtype), device, cfg.quantization)
     return assemble_runtime(
         info,
         plan,

@@ -55,3 +55,18 @@ def smol_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def artifact_copy(tiny_artifact: Path, tmp_path: Path) -> Path:
     """A private copy of ``tiny_artifact`` that the test may change."""
     return Path(shutil.copytree(tiny_artifact, tmp_path / "artifact"))
+
+
+SMOL_CONFIG = {"max_seq_len": 512, "batch_size": 8, "kvcache_num_blocks": 256}
+"""The real default model's test artifacts (``real_model`` tests), without profiling."""
+
+
+@pytest.fixture(scope="session")
+def smol_fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct dequantized to fp32 (``--dequantize``). Shared: do not modify."""
+    pytest.importorskip("gguf")
+    from kvroom.compile import compile as kvroom_compile
+
+    out = tmp_path_factory.mktemp("real") / "smollm2-fp32"
+    kvroom_compile("smollm2-135m", out, {**SMOL_CONFIG, "quantization": "none"}, profile=False)
+    return out

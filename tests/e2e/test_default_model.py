@@ -25,6 +25,11 @@ QUESTIONS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def smol_artifact(smol_fp32_artifact: Path) -> Path:
+    return smol_fp32_artifact
+
+
 def test_greedy_equals_hf_generate_for_a_mixed_batch(smol_artifact: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -36,6 +36,7 @@ def cuda_artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
     out = tmp_path_factory.mktemp(f"cuda-{request.param}") / "smollm2-135m"
     options = {"device": "cuda", "dtype": request.param, "kvcache_num_blocks": NUM_BLOCKS}
+    options["quantization"] = "none"  # dense, as transformers runs it
     kvroom_compile("smollm2-135m", out, options)
     return out, getattr(torch, request.param)
 

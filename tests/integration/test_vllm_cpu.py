@@ -11,7 +11,7 @@ which a missing vLLM fails instead). By hand::
     /path/to/vllm-env/bin/pip uninstall -y torchvision torchaudio torchcodec  # break vLLM's import
     KVROOM_VLLM_PYTHON=/path/to/vllm-env/bin/python .venv/bin/pytest -m vllm tests/integration -s
 
-The artifact is KVROOM_VLLM_ARTIFACT when set, else ``kvroom compile smollm2-135m`` (about a
+The artifact is KVROOM_VLLM_ARTIFACT when set, else ``kvroom compile smollm2-135m --dequantize`` (a
 minute). vLLM's first start on a 2-core machine takes minutes (torch.compile warm-up; later
 starts reuse its cache).
 """
@@ -104,7 +104,7 @@ def default_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvroom.compile import compile as kvroom_compile
 
     out = tmp_path_factory.mktemp("vllm") / "smollm2-135m"
-    kvroom_compile("smollm2-135m", out, {})
+    kvroom_compile("smollm2-135m", out, {"quantization": "none"})  # vLLM runs no GGUF
     return out
 
 

@@ -178,6 +178,13 @@ def test_bad_device_memory(value: object, expected: str) -> None:
         DecoderOnlyConfig(device_memory=value)  # type: ignore[arg-type]
 
 
+def test_quantization_names_the_choices() -> None:
+    expected = "quantization: unknown 'int3'; one of none, int8, int4, int4-g128"
+    with pytest.raises(ConfigError, match=_exact(expected)):
+        DecoderOnlyConfig(quantization="int3")
+    assert DecoderOnlyConfig(quantization="none").quantization == "none"
+
+
 @pytest.mark.parametrize("value", [8, "halve", [1]])
 def test_adjuster_must_be_callable(value: object) -> None:
     expected = f"kvcache_num_blocks_adjuster: must be callable, got {value!r}"
@@ -209,6 +216,7 @@ def test_to_dict_is_every_field_but_the_adjuster(make_config) -> None:
         "max_num_batched_tokens": 16,
         "dtype": "float32",
         "kv_dtype": "float32",
+        "quantization": None,
         "device": "cpu",
         "device_memory": None,
         "tensor_parallel_size": 1,
@@ -300,7 +308,7 @@ def test_subclass_to_dict_excludes_both_callables() -> None:
     assert "kvcache_num_blocks_adjuster" not in data
     assert "load_visual_runtime" not in data
     assert data["image_size"] == 336
-    assert len(data) == 13  # the 12 saved base fields + image_size
+    assert len(data) == 14  # the 13 saved base fields + image_size
     json.dumps(data)
 
 

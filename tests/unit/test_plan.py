@@ -567,3 +567,16 @@ def test_plan_on_another_cpu_keeps_its_pool_and_moves_its_totals(tiny_plan: Memo
     assert there.total_bytes == plan.total_bytes + 10_000
     assert there.runtime_bytes == plan.runtime_bytes + 10_000  # the estimate leaves room for it
     assert plan.on_cpu(False) is plan and tiny_plan.on_cpu(True) is tiny_plan
+
+
+def test_quantized_weights_count_their_bytes_as_loaded(make_spec, make_config) -> None:
+    types = {"int4 (Q4_1)": 5_000, "float32": 1_234}
+    cfg = make_config(tensor_parallel_size=1)
+    plan = compute_plan(
+        make_spec(), cfg, num_parameters=10_000, memory=DeviceMemory(2**30, "x"), weight_types=types
+    )
+    assert plan.weight_bytes == 6_234  # not 10_000 x 4
+    assert plan.weight_types == (("float32", 1_234), ("int4 (Q4_1)", 5_000))
+    assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    table = plan_table(plan)
+    assert "    int4 (Q4_1)" in table and "weights (as loaded)" in terms_table(plan)

@@ -1,7 +1,8 @@
 """The artifact on disk: file names, the kvroom_config.json schema, reading and writing it.
 
 An artifact is a plain Hugging Face folder (config.json, generation_config.json, tokenizer
-files, ``*.safetensors`` with HF parameter names) plus ``kvroom_config.json``::
+files, ``*.safetensors`` with HF parameter names, or ``model.gguf`` for a GGUF source kept as
+shipped) plus ``kvroom_config.json``::
 
     {"format_version": 1, "kvroom_version": "...", "kvcache_num_blocks": N,
      "config": {DecoderOnlyConfig fields, kvcache_num_blocks = N},
@@ -26,6 +27,9 @@ from kvroom.plan import MemoryPlan
 FORMAT_VERSION = 1
 KVROOM_CONFIG = "kvroom_config.json"
 HF_CONFIG = "config.json"
+GGUF_WEIGHTS = "model.gguf"
+"""A GGUF source's file, copied as shipped (its quantized blocks are what kvroom runs);
+transformers loads the artifact with ``from_pretrained(folder, gguf_file="model.gguf")``."""
 _REQUIRED_KEYS = ("format_version", "kvcache_num_blocks", "config", "plan", "model")
 
 
@@ -70,6 +74,11 @@ class ArtifactInfo:
             "model": self.model,
         }
         return json.dumps(doc, indent=2) + "\n"
+
+
+def hf_load_kwargs(folder: str | Path) -> dict[str, str]:
+    """Extra ``from_pretrained`` arguments transformers needs to load the artifact's weights."""
+    return {"gguf_file": GGUF_WEIGHTS} if (Path(folder) / GGUF_WEIGHTS).is_file() else {}
 
 
 def config_path(folder: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Write an artifact folder: HF-named safetensors in the target dtype, HF configs, tokenizer,
+"""Write an artifact folder: HF-named safetensors in the target dtype (or a GGUF source's file
+as shipped, ``model.gguf``), HF configs, tokenizer,
 and kvroom_config.json last. Everything goes to a temp folder renamed into place at the end, so
 an interrupted compile leaves nothing half-written under the output name."""
 
@@ -9,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,21 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo, write_info
+from kvroom.artifact.layout import GGUF_WEIGHTS, HF_CONFIG, ArtifactInfo, write_info
 from kvroom.errors import ArtifactError
 
 SHARD_BYTES = 2 * 2**30
 """Largest safetensors shard, as in ``save_pretrained``'s default ("2GB"-ish)."""
+
+
+@dataclass(frozen=True)
+class ShippedGguf:
+    """A GGUF source written as it ships: the file copied to ``model.gguf``, its blocks
+    untouched; ``config`` and ``generation_config`` as transformers reads them off its header."""
+
+    path: Path
+    config: Any
+    generation_config: Any
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,7 +49,8 @@ def write_artifact(
     overwrite: bool = False,
     finalize: Callable[[Path], ArtifactInfo] | None = None,
 ) -> ArtifactInfo:
-    """Write ``model`` (a transformers PreTrainedModel), ``tokenizer`` and ``info`` to ``out``.
+    """Write ``model`` (a transformers PreTrainedModel, or a ``ShippedGguf``), ``tokenizer``
+    and ``info`` to ``out``.
 
     ``finalize(tmp_folder)``, if given, runs on the complete temp folder before it is renamed
     into place (compile's profiling pass) and returns the info to write instead.
@@ -50,7 +63,10 @@ def write_artifact(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        _write_weights(tmp, model, torch_dtype(info.config.dtype))
+        if isinstance(model, ShippedGguf):
+            shutil.copyfile(model.path, tmp / GGUF_WEIGHTS)
+        else:
+            _write_weights(tmp, model, torch_dtype(info.config.dtype))
         _write_hf_config(tmp, model, info)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

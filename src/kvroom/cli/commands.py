@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvroom.cli.options import add_config_flags, config_overrides
+from kvroom.cli.options import add_config_flags, add_dequantize_flag, config_overrides
 from kvroom.plan.report import plan_table, terms_table
 
 
@@ -26,6 +26,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
         "(its measured terms and the formula, side by side)",
     )
     add_config_flags(p)
+    add_dequantize_flag(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -34,6 +35,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
     p.add_argument("-o", "--output", required=True, help="artifact folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     add_config_flags(p)
+    add_dequantize_flag(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("get", help="print an artifact's kvcache_num_blocks")

@@ -82,6 +82,17 @@ def add_config_flags(
         parser.add_argument(flag(f.name), dest=f.name, type=kind, default=None, help=text)
 
 
+def add_dequantize_flag(parser: argparse.ArgumentParser) -> None:
+    """``--dequantize``: ``--quantization none`` (a GGUF's blocks expanded to ``--dtype``)."""
+    parser.add_argument(
+        "--dequantize",
+        dest="quantization",
+        action="store_const",
+        const="none",
+        help="expand a GGUF's quantized blocks to --dtype (same as --quantization none)",
+    )
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields given on the command line."""
     names = {f.name for f in dataclasses.fields(DecoderOnlyConfig)}

@@ -162,8 +162,14 @@ def _pack(seqs: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
     return input_ids, positions, sample_rows
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> DecoderModel:
-    """Build the model of a HF folder (``config.json`` + ``*.safetensors``) on ``device``.
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None = None,
+) -> DecoderModel:
+    """Build the model of a HF folder (``config.json`` + ``*.safetensors`` or ``model.gguf``)
+    on ``device``, its projections quantized with ``quantization`` (``kvroom.quant_schemes``).
 
     Raises:
         ModelSourceError: no ``config.json``, an unsupported architecture, or missing weights.
@@ -177,5 +183,5 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     spec = ModelSpec.from_hf_config(json.loads(config_file.read_text()))
     hf_config = AutoConfig.from_pretrained(folder)
     model = build_model(spec, hf_config, dtype, device)
-    load_weights(model, folder)
+    load_weights(model, folder, quantization)
     return model

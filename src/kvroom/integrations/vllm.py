@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvroom.artifact.layout import ArtifactInfo
+from kvroom.artifact.layout import GGUF_WEIGHTS, ArtifactInfo
 from kvroom.artifact.resize import startup_plan
-from kvroom.errors import ConfigError
+from kvroom.errors import ArtifactError, ConfigError
 from kvroom.plan import MemoryPlan
 from kvroom.units import cdiv
 
@@ -123,7 +123,12 @@ def prepare(
     kvcache_memory_fraction: float | None = None,
     **vllm_overrides: Any,
 ) -> VllmLaunch:
-    """``engine_args`` with the pool it encodes (see there for the arguments)."""
+    """``engine_args`` with the pool it encodes (see there for the arguments).
+
+    Raises:
+        ArtifactError: the artifact keeps GGUF weights as shipped (vLLM runs no GGUF).
+    """
+    require_vllm_weights(Path(path))
     info, plan = startup_plan(
         path,
         kvcache_num_blocks,
@@ -143,6 +148,15 @@ def prepare(
             "(kvcache_num_blocks=N for the pool, block_size=V for vLLM's block size)"
         )
     return VllmLaunch({**args, **vllm_overrides}, vpool, plan, target)
+
+
+def require_vllm_weights(folder: Path) -> None:
+    """Refuse, in one line, an artifact whose weights vLLM cannot load (``model.gguf``)."""
+    if (folder / GGUF_WEIGHTS).is_file():
+        raise ArtifactError(
+            f"{folder}: its weights are a GGUF kept as shipped, which vLLM does not run; "
+            "for vLLM compile a dequantized artifact: kvroom compile MODEL --dequantize -o OUT"
+        )
 
 
 def artifact_args(info: ArtifactInfo, plan: MemoryPlan, block_size: int) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvroom.errors import ModelSourceError
@@ -36,6 +35,7 @@ from kvroom.models.layers import (
     add_mlp_,
     add_rms_norm,
     apply_rope_,
+    embedding,
     is_packed,
     matmul,
     prepare_weight,
@@ -249,7 +249,7 @@ class DecoderModel(nn.Module):
         """``[T, hidden]`` rows of the embedding (columns of the tied head), a fresh tensor."""
         if self.embed is None:
             return self.lm_head.t().index_select(0, input_ids)
-        return F.embedding(input_ids, self.embed)
+        return embedding(input_ids, self.embed, self.dtype)
 
     def forward(
         self,

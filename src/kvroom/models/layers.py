@@ -27,6 +27,10 @@ import torch.nn.functional as F
 from kvroom.errors import ModelSourceError
 from kvroom.models.kernels import cpu_kernels
 from kvroom.models.kernels import ops as native
+from kvroom.models.quant import QuantizedLinear
+
+Weight = torch.Tensor | QuantizedLinear
+"""A projection as the decoder holds it: a (packed) tensor, or a quantized weight."""
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 """Rope variants whose frequencies do not depend on the sequence length at run time."""
@@ -68,8 +72,10 @@ def add_rms_norm(
     return rms_norm(h, eps)
 
 
-def prepare_weight(w: torch.Tensor) -> torch.Tensor:
+def prepare_weight(w: Weight) -> Weight:
     """A ``[in, out]`` projection in the form ``matmul`` reads fastest.
+
+    A quantized weight (``models/quant``) is already in its kernel's layout: returned as is.
 
     On CPU, fp32 weights whose width is a multiple of 32 become the native panel GEMM's column
     panels (``kernels.ops.pack_panels``, a 3-D tensor) where this CPU runs it (AVX-512): at
@@ -86,6 +92,8 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
 
     Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
+    if isinstance(w, QuantizedLinear):
+        return w
     if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return w.contiguous()
     if (panels := native.pack_panels(w)) is not None:
@@ -97,10 +105,21 @@ def prepare_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
 
 
-def is_packed(w: torch.Tensor) -> bool:
-    """``w`` is a projection in a CPU kernel's own layout (oneDNN's, or the native GEMM's
-    panels), not a plain ``[in, out]`` matrix: it has no transpose to serve as an embedding."""
-    return w.is_mkldnn or w.dim() == 3
+def is_packed(w: Weight) -> bool:
+    """``w`` is a projection in a kernel's own layout (oneDNN's, the native GEMM's panels, or
+    quantized), not a plain ``[in, out]`` matrix: it has no transpose to serve as an embedding."""
+    return isinstance(w, QuantizedLinear) or w.is_mkldnn or w.dim() == 3
+
+
+def _is_panels(w: Weight) -> bool:
+    return isinstance(w, torch.Tensor) and w.dim() == 3
+
+
+def embedding(input_ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``input_ids`` of an embedding table (dense ``[vocab, hidden]`` or quantized)."""
+    if isinstance(table, QuantizedLinear):
+        return table.embedding(input_ids, dtype)
+    return F.embedding(input_ids, table)
 
 
 def widens_bf16_weights() -> bool:
@@ -122,8 +141,10 @@ def packed_bf16_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` for a ``[in, out]`` weight from ``prepare_weight``."""
+    if isinstance(w, QuantizedLinear):
+        return w.matmul(x, bias)
     if w.dim() == 3:
         return native.panel_gemm(x, w, bias)
     if w.is_mkldnn:
@@ -135,23 +156,23 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
-def matmul_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+def matmul_add_(out: torch.Tensor, x: torch.Tensor, w: Weight) -> None:
     """``out += x @ w`` for a ``prepare_weight`` weight, the product rounded to ``out``'s dtype
     first as ``out.add_(matmul(x, w))`` rounds it; in the native GEMM's epilogue where it runs."""
-    if w.dim() == 3 and out.dtype == w.dtype and out.stride(-1) == 1:
+    if _is_panels(w) and out.dtype == w.dtype and out.stride(-1) == 1:
         native.panel_gemm(x, w, out=out)
     else:
         out.add_(matmul(x, w))
 
 
-def glu(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+def glu(x: torch.Tensor, gate_up: Weight, act: str) -> torch.Tensor:
     """``act(gate(x)) * up(x)``, gate and up fused into one ``[hidden, 2I]`` matmul.
 
     The activation writes a fresh contiguous ``[T, I]`` tensor and the product lands in it:
     ``down`` then reads a dense operand (a strided view of ``gate_up``'s output measured ~10%
     slower as a GEMV input on CPU). The caller adds ``down`` straight into the residual.
     """
-    if act == "silu" and gate_up.dim() == 3 and gate_up.shape[0] % 2 == 0:
+    if act == "silu" and _is_panels(gate_up) and gate_up.shape[0] % 2 == 0:
         return native.panel_glu(x, gate_up)  # the GEMM's panels: SiLU-GLU in its epilogue
     gu = matmul(x, gate_up)
     if act == "silu" and (fused := native.silu_mul(gu)) is not None:
@@ -177,7 +198,7 @@ def _row_parts(rows: int) -> list[slice]:
     return [slice(start, start + size) for start in range(0, rows, size)]
 
 
-def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+def mlp(x: torch.Tensor, gate_up: Weight, down: Weight, act: str) -> torch.Tensor:
     """``down(glu(x))`` as a new tensor, ``MLP_CHUNK_ROWS`` rows at a time."""
     first, *rest = _row_parts(x.shape[0])
     part = matmul(glu(x[first], gate_up, act), down)
@@ -191,9 +212,7 @@ def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) ->
     return out
 
 
-def add_mlp_(
-    h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
-) -> None:
+def add_mlp_(h: torch.Tensor, x: torch.Tensor, gate_up: Weight, down: Weight, act: str) -> None:
     """``h += down(glu(x))``, ``MLP_CHUNK_ROWS`` rows at a time; the native GEMM adds ``down``'s
     product into ``h`` itself (no output to copy, no separate add)."""
     for rows in _row_parts(x.shape[0]):

@@ -21,6 +21,7 @@ Without them, both are the formula's ``weights + runtime buffers + KV``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -75,6 +76,9 @@ class MemoryPlan:
     """Tokens the largest image takes (``plan.vision``); 0 for text models."""
     image_limit: str = ""
     """Which limit bounds an image's pixels (``ImageBudget.describe``); empty for text models."""
+    weight_types: tuple[tuple[str, int], ...] = ()
+    """``(kind, bytes)`` per kind of tensor as loaded (``int4 (Q4_1)``, ``float32``...), summing
+    to ``weight_bytes`` x tp; empty when every weight is in the model dtype."""
     kv_groups: tuple[str, ...] = ()
     """One line per KV pool tensor (``plan.kv.describe_kv_groups``), e.g. ``2 full-attention
     layers, K=V, 1 KV head x 512 dims; 4 layers share earlier KV``."""
@@ -227,6 +231,7 @@ class MemoryPlan:
         """JSON-ready fields (sequences as lists) and the derived totals."""
         data = dataclasses.asdict(self)
         data["kv_groups"] = list(self.kv_groups)
+        data["weight_types"] = [list(pair) for pair in self.weight_types]
         data.update({key: getattr(self, key) for key in self.DERIVED_KEYS})
         return data
 
@@ -237,6 +242,8 @@ class MemoryPlan:
             data["measured"] = MeasuredTerms.from_dict(data["measured"])
         if "kv_groups" in data:
             data["kv_groups"] = tuple(data["kv_groups"])
+        if "weight_types" in data:
+            data["weight_types"] = tuple((str(k), int(v)) for k, v in data["weight_types"])
         return cls(**data)
 
 
@@ -247,8 +254,13 @@ def compute_plan(
     num_parameters: int,
     memory: DeviceMemory,
     measured_runtime_bytes: int | None = None,
+    weight_types: Mapping[str, int] | None = None,
 ) -> MemoryPlan:
     """The plan for ``spec`` under ``cfg`` in ``memory``, its pool set to the estimate.
+
+    ``weight_types``: bytes per kind of tensor as loaded (a GGUF kept as shipped,
+    ``kvroom.gguf_file.resident_bytes_by_type``); the weights term is then their sum instead
+    of ``num_parameters`` x the dtype width.
 
     Pure: no device probe, no file access. ``cfg.kvcache_num_blocks`` and the adjuster are
     applied afterwards by ``kvroom.adjust.resolve_num_blocks``.
@@ -265,7 +277,10 @@ def compute_plan(
         device_memory_source=memory.source,
         kvcache_memory_fraction=cfg.kvcache_memory_fraction,
         kvcache_reserve_bytes=int(cfg.kvcache_reserve_memory),
-        weight_bytes=weight_bytes(num_parameters, cfg.dtype, cfg.tensor_parallel_size),
+        weight_bytes=weight_bytes(
+            num_parameters, cfg.dtype, cfg.tensor_parallel_size, weight_types
+        ),
+        weight_types=tuple(sorted((weight_types or {}).items())),
         runtime_buffer_bytes=runtime_buffer_bytes(
             spec,
             batch_size=cfg.batch_size,

@@ -24,6 +24,7 @@ def plan_table(plan: MemoryPlan) -> str:
         ("- kvcache_reserve_memory", format_bytes(plan.kvcache_reserve_bytes)),
         ("= usable", format_bytes(plan.usable_bytes)),
         ("- weights", format_bytes(plan.weight_bytes)),
+        *_weight_type_rows(plan),
         ("- runtime buffers (formula)", format_bytes(plan.runtime_buffer_bytes)),
         ("- runtime buffers (measured)", "-" if measured is None else format_bytes(measured)),
         ("- sliding-window KV (fixed)", format_bytes(plan.sliding_window_bytes_per_rank)),
@@ -62,6 +63,12 @@ def plan_table(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def _weight_type_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
+    """One row per kind of weight tensor as loaded, when they are not all in the model dtype."""
+    tp = plan.tensor_parallel_size
+    return [(f"    {kind}", format_bytes(-(-size // tp))) for kind, size in plan.weight_types]
+
+
 def _kv_group_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
     """One row per pool tensor, shown when the layers do not all keep one KV shape."""
     groups = plan.kv_groups
@@ -74,7 +81,11 @@ def terms_table(plan: MemoryPlan) -> str:
     """Non-KV memory at the peak, the formula and the measured terms side by side."""
     m = plan.measured
     rows: list[tuple[str, str, str]] = [
-        ("weights (parameters x dtype bytes)", format_bytes(plan.weight_bytes), "-"),
+        (
+            "weights (as loaded)" if plan.weight_types else "weights (parameters x dtype bytes)",
+            format_bytes(plan.weight_bytes),
+            "-",
+        ),
         ("runtime buffers (formula)", format_bytes(plan.runtime_buffer_bytes), "-"),
     ]
     rows += [(label, "-", format_bytes(v)) for label, v in (m.rows() if m else [])]
