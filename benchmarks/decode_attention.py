@@ -7,7 +7,8 @@ One query row per sequence over its pool blocks, read in place, as a decode step
 SmolLM2-135M's heads (9 query, 3 KV, head dim 64), blocks of 16, sequences of 40-125 keys in
 scattered blocks, each of 30 layers with its own pool (cold, as in a step). Prints each path's
 median time per layer and the largest difference between their outputs. Needs the native
-kernels (``kvroom.models.kernels``); the decode kernel's vector path needs AVX-512.
+kernels (``kvroom.models.kernels``); the decode kernel's vector path takes head dims
+64/128/256 (16-float vectors on AVX-512, 8-float ones elsewhere).
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by CPU time, not the wall clock (with OMP_NUM_THREADS=1: steady under load)",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if not cpu_kernels().native:
         raise SystemExit("the native kernels are not built here (no compiler?)")
     dtype = getattr(torch, args.dtype)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     lens = torch.tensor([40 + (i * 37) % 86 for i in range(args.seqs)])
     per_seq = int(-(-lens.max() // BLOCK))
@@ -51,10 +58,10 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.rounds):
         for name, fn in paths.items():
-            start = time.perf_counter()
+            start = clock()
             for pool in pools:
                 fn(pool)
-            times[name].append((time.perf_counter() - start) / LAYERS)
+            times[name].append((clock() - start) / LAYERS)
     vector = ops.decode_vectorized(HEAD_DIM)
     print(f"{args.dtype}, {args.seqs} sequences of 40-125 keys; vector decode path: {vector}")
     for name, ts in times.items():

@@ -41,15 +41,21 @@ HEAD = (576, 49152)
 Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def step_time(weights: list[list[torch.Tensor]], dims: list[list[int]], gemm, rows: int) -> float:
+def step_time(
+    weights: list[list[torch.Tensor]],
+    dims: list[list[int]],
+    gemm,
+    rows: int,
+    clock=time.perf_counter,
+) -> float:
     """One step: every layer's projections, then the head, on fresh ``rows``-row inputs."""
     dtype = weights[0][0].dtype
     inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for lay in dims for k in lay}}
-    start = time.perf_counter()
+    start = clock()
     for layer, layer_dims in zip(weights, dims, strict=True):
         for w, k in zip(layer, layer_dims, strict=True):
             gemm(inputs[k], w)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def baseline(
@@ -79,6 +85,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--against", type=Path, help="another version of cpu_kernels.cpp")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by CPU time, not the wall clock (with OMP_NUM_THREADS=1: steady under load)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed turns of each")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,6 +98,7 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, tmp: Path) -> None:
     dtype = getattr(torch, args.dtype)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     if not cpu_kernels().panels(dtype):
         raise SystemExit(f"the native {args.dtype} panel GEMM does not run on this CPU")
     torch.manual_seed(0)
@@ -112,7 +124,7 @@ def compare(args: argparse.Namespace, tmp: Path) -> None:
         times: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.rounds + 1):
             for name, (weights, gemm) in runs.items() if r % 2 else reversed(runs.items()):
-                t = step_time(weights, dims, gemm, rows)
+                t = step_time(weights, dims, gemm, rows, clock)
                 if r:
                     times[name].append(t)
         a, b = statistics.median(times["other"]), statistics.median(times["panel"])
