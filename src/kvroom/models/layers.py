@@ -78,12 +78,13 @@ def prepare_weight(w: Weight) -> Weight:
     A quantized weight (``models/quant``) is already in its kernel's layout: returned as is.
 
     On CPU, fp32 weights whose width is a multiple of 32 become the native panel GEMM's column
-    panels (``kernels.ops.pack_panels``, a 3-D tensor) where this CPU runs it (AVX-512): at
-    decode sizes it streams the weights faster than oneDNN (SmolLM2's 30 layers and head,
-    weights cold: 0.72x oneDNN's time at one row, 0.87x at 32, 0.89x at 128;
-    ``benchmarks/panel_gemm.py``). Other weights on CPU where oneDNN runs: oneDNN's prepacked
-    layout, which streams far better than MKL's plain GEMM over a row-major matrix (measured
-    on an AMD 2-core CPU for SmolLM2's 30 layers: 39 ms instead of 87 ms per step at 32 rows).
+    panels (``kernels.ops.pack_panels``, a 3-D tensor) where this CPU runs it (AVX-512, AVX2):
+    at decode sizes it streams the weights faster than oneDNN (SmolLM2's 30 layers and head,
+    weights cold, AVX-512: 0.72x oneDNN's time at one row, 0.87x at 32, 0.89x at 128; AVX2, one
+    thread: 0.77x, 0.80x, 1.0x; ``benchmarks/panel_gemm.py``). Other weights on CPU where
+    oneDNN runs: oneDNN's prepacked layout, which streams far better than MKL's plain GEMM over
+    a row-major matrix (measured on an AMD 2-core CPU for SmolLM2's 30 layers: 39 ms instead of
+    87 ms per step at 32 rows).
     bf16 weights become bf16 panels on AVX-512 CPUs without AMX (widened to fp32 in registers
     as they stream; a SmolLM2 decode step at 32 rows took 0.6x its time with oneDNN's bf16
     GEMM); else they are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to
