@@ -8,7 +8,7 @@ Three comparisons, on two artifacts of the same GGUF (``kvroom compile smollm2-1
 * perplexity of a local text (default ``docs/ARCHITECTURE.md``, its first ``--ppl-tokens``
   tokens) from prompt logprobs: the relative difference.
 
-    python benchmarks/quant_parity.py --workdir /tmp/quant-parity \
+    python benchmarks/quant_parity.py --workdir /path/to/workdir \
         --json benchmarks/results-quant-parity.json
 
 Missing artifacts are compiled into ``--workdir`` without the profiling pass (their weights are
