@@ -74,3 +74,22 @@ def prefill_reference(q, cache, tables, chunks, scale):
         outs.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1))
         row += n
     return torch.cat(outs)
+
+
+def product_bound(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ dense.T`` in float64, and the fp32 accumulation error bound of each element."""
+    xd, wd = x.double(), dense.double()
+    bound = x.shape[1] * torch.finfo(torch.float32).eps * (xd.abs() @ wd.abs().t())
+    return xd @ wd.t(), bound
+
+
+def glu_close(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> bool:
+    """``got`` is ``silu(gate) * up`` of ``x @ dense.T`` (gate the first half of the columns)
+    within what the products' fp32 accumulation errors carry through (silu' <= 1.1)."""
+    full, err = product_bound(x, dense)
+    half = full.shape[1] // 2
+    gate, up = full[:, :half], full[:, half:]
+    silu = torch.nn.functional.silu(gate)
+    want = silu * up
+    bound = 1.1 * err[:, :half] * up.abs() + silu.abs() * err[:, half:] + 1e-6 * want.abs()
+    return bool(((got.double() - want).abs() <= bound + 1e-30).all())

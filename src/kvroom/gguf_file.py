@@ -129,37 +129,21 @@ def require_supported(path: Path, tensors: list[GgufTensor]) -> None:
         )
 
 
-HEAD_STAYS_QUANTIZED = False
-"""The LM head is dequantized to the model dtype at load (its embedding rows stay quantized).
-
-On an AVX2 CPU without a native quantized GEMM, SmolLM2's Q8_0 head ([49152, 576]) took
-about 5x longer per decode step as dequantize-a-tile-then-matmul than as a dense fp32 GEMM
-(``benchmarks/quant_gemm.py``), so the head trades memory for speed; the embedding reads only
-the rows of the step's tokens and stays as shipped."""
-
-GGUF_EMBEDDING = "token_embd.weight"
-GGUF_OUTPUT = "output.weight"
 
 
 def resident_bytes_by_type(tensors: list[GgufTensor], dtype: str) -> dict[str, int]:
     """Bytes each kind of tensor takes once loaded: ``{"int4 (Q4_1)": .., "float32": ..}``.
 
-    Float tensors, and the LM head unless ``HEAD_STAYS_QUANTIZED``, are held in ``dtype``
-    (the model dtype). A tied head (no ``output.weight``) is the embedding: its rows are
-    counted quantized, and once more dense for the head.
+    Quantized tensors stay as shipped, the LM head included (a tied model's embedding and head
+    are one table); float tensors are held in ``dtype`` (the model dtype).
     """
     width = DTYPE_BYTES[dtype]
-    tied = all(t.name != GGUF_OUTPUT for t in tensors)
     out: dict[str, int] = {}
     for t in tensors:
-        dense_head = not HEAD_STAYS_QUANTIZED and t.name == (
-            GGUF_EMBEDDING if tied else GGUF_OUTPUT
-        )
-        kept = t.layout is not None and not (dense_head and not tied)
-        if kept:
+        if t.layout is not None:
             key = f"{t.layout.kind} ({t.type_name})"
             out[key] = out.get(key, 0) + t.layout.resident_bytes(t.rows, t.cols)
-        if not kept or dense_head:
+        else:
             out[dtype] = out.get(dtype, 0) + t.rows * t.cols * width
     return out
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvroom import LLM, SamplingParams
 from kvroom.artifact.layout import read_info
-from kvroom.models.quant import QuantizedLinear
+from kvroom.models.layers import Quantized
 from kvroom.quant_schemes import SCHEMES
 from tiny_models import compile_tiny_artifact, write_tiny_llama
 
@@ -33,7 +33,7 @@ def test_quantized_artifact_plans_and_runs(source: Path, tmp_path: Path, scheme:
     assert (art / "model.safetensors").is_file()  # transformers and vLLM load it as before
     llm = LLM(str(art))
     layer = llm.runtime.runner.model.layers[0]
-    assert isinstance(layer.gate_up, QuantizedLinear) and layer.gate_up.kind == SCHEMES[scheme].kind
+    assert isinstance(layer.gate_up, Quantized) and layer.gate_up.kind == SCHEMES[scheme].kind
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate(["hello"], greedy)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -16,6 +16,7 @@ from kvroom.engine.kv.pool import KVCachePool
 from kvroom.engine.model_runner import ModelRunner, load_model
 from kvroom.engine.params.sampling import SamplingParams
 from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
+from kvroom.models.layers import Quantized
 from kvroom.models.quant import QuantizedLinear
 from kvroom.models.quant.gguf_checkpoint import GgufCheckpoint
 from tiny_models import write_tiny_llama
@@ -91,10 +92,13 @@ def _logits(folder: Path, tokens: list[int], dtype: torch.dtype) -> torch.Tensor
 def test_projections_stay_quantized_and_embedding_rows_too(folders: tuple[Path, Path]) -> None:
     model = load_model(folders[0], torch.float32, "cpu")
     layer = model.layers[0]
-    assert all(isinstance(getattr(layer, n), QuantizedLinear) for n in layer.projections)
+    assert all(isinstance(getattr(layer, n), Quantized) for n in layer.projections)
     assert layer.qkv.kind == "int4" and layer.down.kind == "int8"
-    assert isinstance(model.embed, QuantizedLinear)
-    assert not isinstance(model.lm_head, QuantizedLinear)  # gguf_file.HEAD_STAYS_QUANTIZED
+    assert isinstance(model.lm_head, Quantized) and model.lm_head.kind == "int8"
+    if model.spec.tie_embeddings:  # the embedding rows are looked up in the head's table
+        assert model.embed is None
+    else:
+        assert isinstance(model.embed, Quantized)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,22 +34,22 @@ def test_header_gives_types_shapes_and_architecture(tmp_path: Path) -> None:
     assert by_name["blk.0.attn_norm.weight"].dims == (64,)
 
 
-def test_resident_bytes_per_kind_tied_head_counted_dense_once_more(tmp_path: Path) -> None:
+def test_resident_bytes_per_kind_tied_head_is_the_quantized_embedding(tmp_path: Path) -> None:
     header = read_gguf(_model(tmp_path))
     got = resident_bytes_by_type(header.tensors, "float32")
     assert got == {
         "int8 (Q8_0)": 10 * 64 + 10 * 2 * 2,
         "int4 (Q4_1)": 8 * 32 + 8 * 2 * 2 * 2,
         "int8 (Q6_K)": 4 * 256 + 4 * 16 * 4,
-        "float32": 64 * 4 + 10 * 64 * 4,  # the norm, and the tied head as a dense copy
+        "float32": 64 * 4,  # the norm; the tied head is the Q8_0 embedding
     }
 
 
-def test_untied_head_is_dense_and_the_embedding_stays_quantized(tmp_path: Path) -> None:
+def test_untied_head_and_the_embedding_both_stay_quantized(tmp_path: Path) -> None:
     header = read_gguf(_model(tmp_path, head=True))
     got = resident_bytes_by_type(header.tensors, "bfloat16")
-    assert "int4 (Q4_0)" not in got
-    assert got["bfloat16"] == 64 * 2 + 10 * 64 * 2
+    assert got["int4 (Q4_0)"] == BLOCK_LAYOUTS["Q4_0"].resident_bytes(10, 64)
+    assert got["bfloat16"] == 64 * 2
     assert got["int8 (Q8_0)"] == BLOCK_LAYOUTS["Q8_0"].resident_bytes(10, 64)
 
 

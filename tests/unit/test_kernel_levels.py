@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_cases import decode_case, prefill_case, prefill_reference
+from gguf_models import random_blocks
+from kernel_cases import decode_case, glu_close, prefill_case, prefill_reference, product_bound
 from kvroom.models import attention
 from kvroom.models.kernels import build, cpu_flags, ops
 from kvroom.models.layers import rms_norm
+from kvroom.models.quant.gguf_repack import repack
+from kvroom.models.quant.panels import QuantPanels
 
 pytestmark = [
     pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 levels on an x86-64 CPU"),
@@ -157,3 +160,14 @@ def test_panel_glu_is_silu_mul_of_the_product(level_lib, dtype, rows) -> None:
     product = ops.panel_gemm(x, ops.panels_of(w), lib=level_lib)
     want = ops.silu_mul(product, lib=level_lib)
     assert torch.equal(ops.panel_glu(x, ops.panels_of(w), lib=level_lib), want)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 40])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q6_K", "Q8_0"])
+def test_quant_gemm(level_lib, type_name, rows) -> None:
+    w = repack(random_blocks(type_name, 64, 512, 3), type_name, 64, 512)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(5))
+    want, bound = product_bound(x, w.dequantize())
+    panels = QuantPanels(w)
+    assert ((panels.matmul(x, lib=level_lib).double() - want).abs() <= bound + 1e-30).all()
+    assert glu_close(panels.glu(x, lib=level_lib), x, w.dequantize())

@@ -32,6 +32,7 @@ from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models.attention import AttentionMetadata, KindBatch, paged_attention
 from kvroom.models.layers import (
+    Quantized,
     add_mlp_,
     add_rms_norm,
     apply_rope_,
@@ -234,7 +235,7 @@ class DecoderModel(nn.Module):
         """Build what is derived from loaded weights or the config, on the weights' device."""
         self.device = self.lm_head.device
         head = prepare_weight(self.lm_head)
-        if self.embed is None and is_packed(head):
+        if self.embed is None and is_packed(head) and not isinstance(head, Quantized):
             self.embed = nn.Parameter(self.lm_head.t().contiguous(), requires_grad=False)
         _install(self, "lm_head", head)
         self.eps = torch.tensor(self.eps_value, dtype=torch.float32, device=self.device)
@@ -247,6 +248,8 @@ class DecoderModel(nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` rows of the embedding (columns of the tied head), a fresh tensor."""
+        if self.embed is None and isinstance(self.lm_head, Quantized):
+            return embedding(input_ids, self.lm_head, self.dtype)  # the tied head's table
         if self.embed is None:
             return self.lm_head.t().index_select(0, input_ids)
         return embedding(input_ids, self.embed, self.dtype)

@@ -28,8 +28,10 @@ from kvroom.errors import ModelSourceError
 from kvroom.models.kernels import cpu_kernels
 from kvroom.models.kernels import ops as native
 from kvroom.models.quant import QuantizedLinear
+from kvroom.models.quant.panels import QuantPanels
 
-Weight = torch.Tensor | QuantizedLinear
+Quantized = QuantizedLinear | QuantPanels
+Weight = torch.Tensor | Quantized
 """A projection as the decoder holds it: a (packed) tensor, or a quantized weight."""
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
@@ -75,7 +77,9 @@ def add_rms_norm(
 def prepare_weight(w: Weight) -> Weight:
     """A ``[in, out]`` projection in the form ``matmul`` reads fastest.
 
-    A quantized weight (``models/quant``) is already in its kernel's layout: returned as is.
+    A quantized weight (``models/quant``) becomes the native quantized GEMM's panels
+    (``quant.panels.QuantPanels``) where the kernels are built and its shape fits, else it is
+    returned as is (its torch path dequantizes a tile of rows at a time).
 
     On CPU, fp32 weights whose width is a multiple of 32 become the native panel GEMM's column
     panels (``kernels.ops.pack_panels``, a 3-D tensor) where this CPU runs it (AVX-512, AVX2):
@@ -94,6 +98,8 @@ def prepare_weight(w: Weight) -> Weight:
     Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
     if isinstance(w, QuantizedLinear):
+        return QuantPanels(w) if _runs_quant_panels(w) else w
+    if isinstance(w, QuantPanels):
         return w
     if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return w.contiguous()
@@ -106,10 +112,14 @@ def prepare_weight(w: Weight) -> Weight:
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
 
 
+def _runs_quant_panels(w: QuantizedLinear) -> bool:
+    return w.qweight.device.type == "cpu" and cpu_kernels().quant_gemm and QuantPanels.applies(w)
+
+
 def is_packed(w: Weight) -> bool:
     """``w`` is a projection in a kernel's own layout (oneDNN's, the native GEMM's panels, or
     quantized), not a plain ``[in, out]`` matrix: it has no transpose to serve as an embedding."""
-    return isinstance(w, QuantizedLinear) or w.is_mkldnn or w.dim() == 3
+    return isinstance(w, Quantized) or w.is_mkldnn or w.dim() == 3
 
 
 def _is_panels(w: Weight) -> bool:
@@ -118,7 +128,7 @@ def _is_panels(w: Weight) -> bool:
 
 def embedding(input_ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``input_ids`` of an embedding table (dense ``[vocab, hidden]`` or quantized)."""
-    if isinstance(table, QuantizedLinear):
+    if isinstance(table, Quantized):
         return table.embedding(input_ids, dtype)
     return F.embedding(input_ids, table)
 
@@ -144,7 +154,7 @@ def packed_bf16_bytes(model: torch.nn.Module) -> int:
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` for a ``[in, out]`` weight from ``prepare_weight``."""
-    if isinstance(w, QuantizedLinear):
+    if isinstance(w, Quantized):
         return w.matmul(x, bias)
     if w.dim() == 3:
         return native.panel_gemm(x, w, bias)
@@ -160,7 +170,9 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 def matmul_add_(out: torch.Tensor, x: torch.Tensor, w: Weight) -> None:
     """``out += x @ w`` for a ``prepare_weight`` weight, the product rounded to ``out``'s dtype
     first as ``out.add_(matmul(x, w))`` rounds it; in the native GEMM's epilogue where it runs."""
-    if _is_panels(w) and out.dtype == w.dtype and out.stride(-1) == 1:
+    if isinstance(w, QuantPanels) and out.dtype in (torch.float32, torch.bfloat16):
+        w.matmul(x, out=out) if out.stride(-1) == 1 else out.add_(w.matmul(x))
+    elif _is_panels(w) and out.dtype == w.dtype and out.stride(-1) == 1:
         native.panel_gemm(x, w, out=out)
     else:
         out.add_(matmul(x, w))
@@ -173,6 +185,8 @@ def glu(x: torch.Tensor, gate_up: Weight, act: str) -> torch.Tensor:
     ``down`` then reads a dense operand (a strided view of ``gate_up``'s output measured ~10%
     slower as a GEMV input on CPU). The caller adds ``down`` straight into the residual.
     """
+    if act == "silu" and isinstance(gate_up, QuantPanels) and gate_up.fuses_glu():
+        return gate_up.glu(x)
     if act == "silu" and _is_panels(gate_up) and gate_up.shape[0] % 2 == 0:
         return native.panel_glu(x, gate_up)  # the GEMM's panels: SiLU-GLU in its epilogue
     gu = matmul(x, gate_up)

@@ -16,8 +16,9 @@ reads them, applies the load-time transforms, and hands the result to
 A GGUF artifact (``model.gguf``) keeps its quantized tensors as shipped: ``qkv``/``gate_up``
 fuse their parts' rows (``quant.fuse``), the q/k head permutation moves whole rows, and the
 folded norm becomes the weight's ``input_scale`` (lossless, unlike scaling its columns). The LM
-head is dequantized (``gguf_file.HEAD_STAYS_QUANTIZED``); a tied model's embedding rows stay
-quantized.
+head stays quantized too: a tied model looks its embedding rows up in the head's table, and
+where the native kernels run, the head's product streams it at its quantized size
+(``quant/panels.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 from kvroom import heap
 from kvroom.artifact.layout import GGUF_WEIGHTS
 from kvroom.errors import ModelSourceError
-from kvroom.gguf_file import HEAD_STAYS_QUANTIZED
 from kvroom.models.checkpoint import Checkpoint
 from kvroom.models.decoder import DecoderModel
 from kvroom.models.layers import rope_permutation
@@ -40,9 +40,7 @@ from kvroom.models.quant.quantize import quantize
 from kvroom.quant_schemes import SCHEMES
 
 AnyCheckpoint = Checkpoint | GgufCheckpoint
-QUANTIZED_PARAMS = ("qkv", "o_proj", "gate_up", "down", "embed") + (
-    ("lm_head",) if HEAD_STAYS_QUANTIZED else ()
-)
+QUANTIZED_PARAMS = ("qkv", "o_proj", "gate_up", "down", "embed", "lm_head")
 """Parameters kept in the quantized layout when their source tensors are quantized."""
 
 
@@ -72,8 +70,6 @@ def load_weights(model: DecoderModel, folder: str | Path, quantization: str | No
             for name in model.state_dict():
                 value = custom(ckpt.get, name) if custom else _load_one(model, ckpt, name, scheme)
                 state.update(_entries(model, name, value))
-            if (table := _quantized_tied_embedding(model, ckpt)) is not None:
-                state.update(_entries(model, "embed", table))
         model.load_state_dict(state, strict=True, assign=True)
         del state  # post_load frees the dense weights it packs only once nothing else holds them
         model.requires_grad_(False)
@@ -114,18 +110,6 @@ def _entries(
         delattr(owner, attr)
     setattr(owner, attr, value)
     return {f"{name}.{k}": v for k, v in value.state_dict().items()}
-
-
-def _quantized_tied_embedding(model: DecoderModel, ckpt: AnyCheckpoint) -> QuantizedLinear | None:
-    """A tied model whose embedding is quantized looks its rows up in the quantized table
-    (the head is a dense copy unless ``HEAD_STAYS_QUANTIZED``)."""
-    name = model.hf_top_names()["embed"]
-    if getattr(model, "embed", False) is not None or not isinstance(ckpt, GgufCheckpoint):
-        return None
-    if HEAD_STAYS_QUANTIZED or not ckpt.is_quantized(name):
-        return None
-    table = ckpt.get(name)
-    return table if isinstance(table, QuantizedLinear) else None
 
 
 def _load_one(

@@ -56,6 +56,9 @@ class CpuKernels:
     there is AMX, SDPA keeps its bf16 tiles)."""
     panel_gemm: bool = False
     """fp32 projections run as the native AVX-512 panel GEMM (``ops.panel_gemm``), not oneDNN."""
+    quant_gemm: bool = False
+    """Quantized weights (``models/quant``) run as the native quantized GEMM over int4 / int8
+    panels (``quant/panels.py``), unless ``KVROOM_QUANT_GEMM=0``; else their torch path."""
     panel_gemm_bf16: bool = False
     """bf16 projections run as the native panel GEMM (bf16 panels widened to fp32 in registers,
     half the bytes of fp32 ones), not oneDNN: on AVX-512 CPUs without AMX, whose tiles oneDNN
@@ -80,6 +83,8 @@ class CpuKernels:
             else "torch SDPA (no native kernels)"
         )
         fp32 = "; fp32 projections: native panel GEMM" if self.panel_gemm else ""
+        if self.quant_gemm:
+            fp32 += "; quantized projections: native int4/int8 panel GEMM"
         if self.panel_gemm_bf16:
             bf16 = "native panel GEMM"
         wait = threads.describe()
@@ -117,6 +122,7 @@ def cpu_kernels() -> CpuKernels:
         sdpa_context_prefill=isa in ("amx", "avx512_bf16", "avx512"),
         vector_prefill=isa in ("avx512_bf16", "avx512"),
         panel_gemm=panels and _vector_isa(flags),
+        quant_gemm=library() is not None and os.environ.get("KVROOM_QUANT_GEMM", "1") != "0",
         panel_gemm_bf16=panels and "avx512f" in flags and isa != "amx",
     )
     log.info(chosen.describe())

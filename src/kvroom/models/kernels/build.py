@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 7
+ABI_VERSION = 8
 LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 """x86-64 levels the sources build for: SSE4.2, AVX2 + FMA, AVX-512 (F, BW, DQ, VL)."""
 _FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -115,6 +115,9 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     for glu in (lib.kvroom_panel_glu, lib.kvroom_panel_glu_bf16):
         glu.argtypes = [ptr, i64, ptr, ptr, i64, i32, i64]
         glu.restype = i32
+    lib.kvroom_quant_gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32, ptr, ptr, i32, i64]
+    lib.kvroom_quant_gemm.argtypes += [i64, i32, i64, i32, i32]
+    lib.kvroom_quant_gemm.restype = i32
     lib.kvroom_decode_vectorized.argtypes = [i32]
     lib.kvroom_decode_vectorized.restype = i32
     lib.kvroom_prefill_vectorized.argtypes = [i32]

@@ -10,6 +10,7 @@
 //   vector_panels.h     one panel pass in 8-float vectors (every target without AVX-512)
 //   avx512_*.h          AVX-512 decode and prefill attention and panel pass
 //   panels.h            the panel GEMM's driver (every target)
+//   quant_panels.h      the weight-only quantized GEMM over int4 / int8 panels (every target)
 // This file holds the entry points and chooses, per call, the ISA path that applies.
 #include <omp.h>
 
@@ -20,6 +21,7 @@
 #include "common.h"
 #include "panels.h"
 #include "portable.h"
+#include "quant_panels.h"
 #if defined(__AVX512F__)
 #include "avx512_attention.h"
 #else
@@ -155,6 +157,19 @@ int checked_panel_glu(const float* x, int64_t x_stride, const W* w, Y* y, int64_
   return 0;
 }
 
+template <typename Y>
+int checked_quant_gemm(const float* x, int64_t x_stride, const QuantWeight& w, const float* bias,
+                       Y* y, int64_t y_stride, int64_t M, int K, int64_t N, int accumulate,
+                       int glu) {
+  if (N % PANEL != 0 || (w.bits != 4 && w.bits != 8) || w.group <= 0 || K % w.group != 0)
+    return -1;
+  if (glu)
+    quant_glu(x, x_stride, w, y, M, K, N);
+  else
+    quant_gemm(x, x_stride, w, bias, y, y_stride, M, K, N, accumulate != 0);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -265,6 +280,25 @@ int kvroom_decode_vectorized(int D) { return vector_decode_dim(D); }
 // 1 where the prefill kernel takes its AVX-512 path for this head dim, else 0.
 int kvroom_prefill_vectorized(int D) { return vector_prefill_dim(D); }
 
-int kvroom_abi_version() { return 7; }
+// y[M, N] = x[M, K] @ W (+ bias) for W in quantized panels (``quant_panels.h``: ``q`` the
+// values, ``scales`` and ``mins`` (or null) per group of ``group`` K rows, float16 where
+// ``half_scales``); with accumulate, y += the product rounded to y's dtype first. With glu,
+// y[M, N] = silu(x @ W[:, :N]) * (x @ W[:, N:]) for gate_up's 2N columns (y_stride = N, no
+// bias). y_dtype: 0 float32, 1 bfloat16. Returns -1 for a shape or format not built here.
+int kvroom_quant_gemm(const float* x, int64_t x_stride, const uint8_t* q, const void* scales,
+                      const void* mins, int bits, int group, int half_scales, const float* bias,
+                      void* y, int y_dtype, int64_t y_stride, int64_t M, int K, int64_t N,
+                      int accumulate, int glu) {
+  const QuantWeight w{q, scales, mins, bits, group, half_scales != 0};
+  if (y_dtype == 0)
+    return checked_quant_gemm(x, x_stride, w, bias, static_cast<float*>(y), y_stride, M, K, N,
+                              accumulate, glu);
+  if (y_dtype == 1)
+    return checked_quant_gemm(x, x_stride, w, bias, static_cast<uint16_t*>(y), y_stride, M, K,
+                              N, accumulate, glu);
+  return -1;
+}
+
+int kvroom_abi_version() { return 8; }
 
 }  // extern "C"

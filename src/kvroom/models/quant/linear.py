@@ -50,6 +50,10 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("input_scale", input_scale)
 
     @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
     def resident_bytes(self) -> int:
         """Bytes this weight holds (values, scales, mins, input scale)."""
         return sum(b.nbytes for b in self.buffers())
