@@ -129,8 +129,6 @@ def require_supported(path: Path, tensors: list[GgufTensor]) -> None:
         )
 
 
-
-
 def resident_bytes_by_type(tensors: list[GgufTensor], dtype: str) -> dict[str, int]:
     """Bytes each kind of tensor takes once loaded: ``{"int4 (Q4_1)": .., "float32": ..}``.
 
