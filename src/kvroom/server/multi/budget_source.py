@@ -1,0 +1,80 @@
+"""Where the multi-model budget comes from: a fixed ``--memory-budget``, or the memory this
+process may use, followed live (the default).
+
+Following the memory, the budget is what this process holds now plus what it could still take,
+less the reserve, with the elastic pool's band (``engine/kv/elastic.py``)::
+
+    slack = available - reserve
+    slack < 0        budget = held + slack - H/2        (shrink now: below the reserve)
+    slack > H        budget = held + slack - H/2        (grow, at most by what is free)
+    otherwise        unchanged                          (no flapping around one value)
+
+``held`` is the arbiter's own account (process + loaded models' fixed bytes + pools), so the
+probe's "available" (which already counts them as used) is not counted twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvroom.engine.kv.elastic import DEFAULT_HYSTERESIS_BYTES, MemorySample, sample_memory
+
+
+class FixedBudget:
+    """``--memory-budget`` (an operator can change it live through ``POST /kv_cache``)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._bytes = budget_bytes
+        self._lock = threading.Lock()
+
+    def set(self, budget_bytes: int) -> None:
+        with self._lock:
+            self._bytes = budget_bytes
+
+    def budget_bytes(self, held_bytes: int) -> int:
+        with self._lock:
+            return self._bytes
+
+    def describe(self) -> str:
+        return "--memory-budget"
+
+
+class MemoryBudget(FixedBudget):
+    """The memory this process may use (cgroup headroom or MemAvailable) less ``reserve``."""
+
+    def __init__(
+        self,
+        reserve_bytes: int,
+        *,
+        hysteresis_bytes: int = DEFAULT_HYSTERESIS_BYTES,
+        probe: Callable[[], MemorySample] = sample_memory,
+    ) -> None:
+        self.reserve_bytes = reserve_bytes
+        self.hysteresis_bytes = hysteresis_bytes
+        self._probe = probe
+        self._pinned = False
+        sample = probe()
+        super().__init__(sample.available_bytes - reserve_bytes)
+        self.source = sample.source
+
+    def set(self, budget_bytes: int) -> None:
+        """An operator's value: stop following the memory."""
+        super().set(budget_bytes)
+        self._pinned = True
+
+    def budget_bytes(self, held_bytes: int) -> int:
+        """The budget now (a fresh sample unless an operator set it)."""
+        if self._pinned:
+            return super().budget_bytes(held_bytes)
+        sample = self._probe()
+        self.source = sample.source
+        slack = sample.available_bytes - self.reserve_bytes
+        if slack < 0 or slack > self.hysteresis_bytes:
+            super().set(held_bytes + slack - self.hysteresis_bytes // 2)
+        return super().budget_bytes(held_bytes)
+
+    def describe(self) -> str:
+        if self._pinned:
+            return "set by an operator"
+        return f"memory available ({self.source}) - reserve {self.reserve_bytes // 2**20} MiB"
