@@ -2,8 +2,9 @@
 
 Each artifact is served under its name (``--served-model-name`` once per artifact, in order;
 default its path as given). The budget is ``--memory-budget``, else ``--device-memory`` less
-``--kvcache-reserve-memory``, else the memory this process may use (its cgroup's headroom or
-the machine's available memory), followed live, less the reserve (1 GiB unless given).
+``--kvcache-reserve-memory`` (0 unless given), else the memory this process may use (its
+cgroup's headroom or the machine's available memory), followed live, less the reserve (1 GiB
+unless given).
 Per-model settings name the model: ``--min-blocks chat=64``, ``--priority chat=2``.
 """
 
@@ -31,8 +32,9 @@ def add_multi_flags(parser: argparse.ArgumentParser) -> None:
         "--memory-budget",
         default=None,
         help="several artifacts: the memory all models share (weights, runtime, KV pools), "
-        "e.g. 8GiB (default: --device-memory, else what this process's cgroup or the machine "
-        "allows, followed live, less --kvcache-reserve-memory, 1 GiB unless given)",
+        "e.g. 8GiB (default: --device-memory less --kvcache-reserve-memory, else what this "
+        "process's cgroup or the machine allows, followed live, less the reserve, 1 GiB "
+        "unless given)",
     )
     parser.add_argument(
         "--min-blocks",
@@ -57,11 +59,16 @@ def single_artifact(args: argparse.Namespace) -> None:
     names = args.served_model_name or []
     if len(names) > 1:
         raise ConfigError(f"--served-model-name: given {len(names)} times for one artifact")
-    for dest, flag in MULTI_ONLY.items():
-        if getattr(args, dest) not in (None, []):
-            raise ConfigError(f"{flag}: only used when serving several artifacts")
+    refuse_multi_flags(args)
     args.artifact = args.artifact[0]
     args.served_model_name = names[0] if names else None
+
+
+def refuse_multi_flags(args: argparse.Namespace) -> None:
+    """One model: the flags of a shared budget are a mistake, said in one line."""
+    for dest, flag in MULTI_ONLY.items():
+        if getattr(args, dest) not in (None, []):
+            raise ConfigError(f"{flag}: only used with several models")
 
 
 def open_models(args: argparse.Namespace) -> Any:
@@ -96,8 +103,8 @@ def model_entries(args: argparse.Namespace) -> list[Any]:
             "give one per artifact, in the order of the artifacts"
         )
     names = names or artifacts
-    floors = _per_model(args.min_blocks, "--min-blocks", names, int)
-    priorities = _per_model(args.priority, "--priority", names, float)
+    floors = per_model(args.min_blocks, "--min-blocks", names, int)
+    priorities = per_model(args.priority, "--priority", names, float)
     return [
         ModelEntry(art, name, floors.get(name), priorities.get(name, 1.0))
         for art, name in zip(artifacts, names, strict=True)
@@ -109,17 +116,19 @@ def budget_source(args: argparse.Namespace) -> Any:
     from kvroom.server.multi.budget_source import FixedBudget, MemoryBudget
     from kvroom.units import parse_bytes
 
+    """``--memory-budget``; else ``--device-memory`` less the reserve (0 unless given); else
+    this process's memory followed live, less the reserve (1 GiB unless given)."""
     reserve = args.kvcache_reserve_memory
-    reserve_bytes = DEFAULT_RESERVE_BYTES if reserve is None else parse_bytes(reserve, "reserve")
+    given = None if reserve is None else parse_bytes(reserve, "--kvcache-reserve-memory")
     if args.memory_budget is not None:
         return FixedBudget(parse_bytes(args.memory_budget, "--memory-budget"))
     if args.device_memory is not None:
         memory = parse_bytes(args.device_memory, "--device-memory")
-        return FixedBudget(memory - reserve_bytes)
-    return MemoryBudget(reserve_bytes)
+        return FixedBudget(memory - (given or 0), "--device-memory less the reserve")
+    return MemoryBudget(DEFAULT_RESERVE_BYTES if given is None else given)
 
 
-def _per_model(
+def per_model(
     given: list[str], flag: str, names: list[str], kind: type[int] | type[float]
 ) -> dict[str, Any]:
     values: dict[str, Any] = {}

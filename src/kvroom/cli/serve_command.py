@@ -28,7 +28,6 @@ from kvroom.cli.options import (
 )
 from kvroom.cli.vllm_command import add_vllm_serve_flags, launch_for, serve_with_vllm
 from kvroom.errors import ConfigError
-from kvroom.units import format_bytes
 
 
 def add_serve_command(sub: Any) -> None:
@@ -153,7 +152,7 @@ def cmd_serve_many(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         for name, slot in models.slots.items():
             _say(f"model {name}: {slot.entry.artifact}, {slot.stats().num_total_blocks} blocks")
-        _say(f"memory budget {format_bytes(models.budget_now()[0])} ({models.budget.describe()})")
+        _say(f"memory budget {models.budget.describe()}")
         names = ", ".join(models.slots)
         _say(f"serving {names} on {_url(host, port)} (OpenAI API under /v1)")
         serve(app, sock, access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)

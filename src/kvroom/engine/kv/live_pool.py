@@ -76,7 +76,11 @@ def resolve_resize(
         raise ConfigError(f"num_blocks: must be an integer or 'auto', got {requested!r}")
     if isinstance(requested, int) and not isinstance(requested, bool):
         check_reserve(requested, max_num_blocks)
-    if source in ("elastic", "arbiter") and isinstance(requested, int) and requested >= plan.num_min_blocks:
+    if (
+        source in ("elastic", "arbiter")
+        and isinstance(requested, int)
+        and requested >= plan.num_min_blocks
+    ):
         return plan.with_num_blocks(requested, source)
     n = validate_num_blocks(requested, plan, source=source)
     return plan.with_num_blocks(n, source)

@@ -19,25 +19,28 @@ import threading
 from collections.abc import Callable
 
 from kvroom.engine.kv.elastic import DEFAULT_HYSTERESIS_BYTES, MemorySample, sample_memory
+from kvroom.units import format_bytes
 
 
 class FixedBudget:
     """``--memory-budget`` (an operator can change it live through ``POST /kv_cache``)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, source: str = "--memory-budget") -> None:
         self._bytes = budget_bytes
         self._lock = threading.Lock()
+        self._source = source
 
     def set(self, budget_bytes: int) -> None:
         with self._lock:
             self._bytes = budget_bytes
+            self._source = "set by an operator"
 
     def budget_bytes(self, held_bytes: int) -> int:
         with self._lock:
             return self._bytes
 
     def describe(self) -> str:
-        return "--memory-budget"
+        return f"{format_bytes(self.budget_bytes(0))}, {self._source}"
 
 
 class MemoryBudget(FixedBudget):
@@ -76,5 +79,8 @@ class MemoryBudget(FixedBudget):
 
     def describe(self) -> str:
         if self._pinned:
-            return "set by an operator"
-        return f"memory available ({self.source}) - reserve {self.reserve_bytes // 2**20} MiB"
+            return super().describe()
+        return (
+            f"{format_bytes(super().budget_bytes(0))}, memory available ({self.source}) "
+            f"less the reserve {format_bytes(self.reserve_bytes)}, followed live"
+        )
