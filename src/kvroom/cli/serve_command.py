@@ -116,7 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tools = tool_options(args)
     sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
     try:
-        from kvroom.server.app import create_app, serve
+        from kvroom.server.app import create_app
+        from kvroom.server.lifecycle import serve
 
         llm, elastic = open_llm(args.artifact, startup_overrides(args), args)
         plan = llm.runtime.plan
@@ -144,7 +145,7 @@ def cmd_serve_many(args: argparse.Namespace) -> int:
     """Several artifacts: load each with its share of the budget, serve them all."""
     sock = bind_socket(args.host, args.port)
     try:
-        from kvroom.server.app import serve
+        from kvroom.server.lifecycle import serve
         from kvroom.server.multi.app import create_multi_app
 
         models = open_models(args)
