@@ -9,6 +9,9 @@ the budget is set in blocks over the fixed bytes, so every size below is exact.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -18,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import ThreadServer
+from server_harness import ServerProcess, ThreadServer
 
 from kvroom.cli import main
 from kvroom.server.multi.app import build_models, create_multi_app
@@ -218,3 +221,28 @@ def test_two_artifacts_under_one_served_name_are_refused_at_start(
         "kvroom: error: --served-model-name: x is served twice; give each artifact its own "
         "name (--served-model-name once per artifact, in order)\n"
     )
+
+
+@pytest.mark.slow
+def test_kvroom_serve_with_two_artifacts_answers_both_and_stops_cleanly(
+    tiny_artifact: Path, tmp_path: Path
+) -> None:
+    art = str(tiny_artifact)
+    argv = [sys.executable, "-m", "kvroom", "serve", art, art, "--port", "0", "--no-access-log"]
+    argv += ["--served-model-name", "a", "--served-model-name", "b", "--memory-budget", "64MiB"]
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, log_path, "")
+    server.base_url = server._wait_for_address()
+    server._wait_for_health()
+    try:
+        client = server.client()
+        assert {
+            client.completions.create(model=m, prompt="hi", max_tokens=2).model for m in "ab"
+        } == {"a", "b"}
+        assert "kvroom serve: memory budget 64.00 MiB, --memory-budget" in server.log
+        assert "kvroom serve: model a: " in server.log
+    finally:
+        assert server.terminate() == 0
