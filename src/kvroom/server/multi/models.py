@@ -56,8 +56,7 @@ class MultiModels:
 
     def held_bytes(self) -> int:
         loaded = [s for s in self.slots.values() if s.loaded]
-        pools = sum(s.stats().num_total_blocks * s.cost.bytes_per_block for s in loaded)
-        return self.shared_bytes + sum(s.cost.fixed_bytes for s in loaded) + pools
+        return self.shared_bytes + sum(s.cost.fixed_bytes for s in loaded) + self._pool_bytes()
 
     def pool_budget_bytes(self) -> int:
         """What the loaded models' pools may hold together now."""
@@ -154,7 +153,9 @@ class MultiModels:
             return result
 
     def _pool_bytes(self) -> int:
-        return sum(v.bytes for v in self.views())
+        """Bytes of the loaded pools now (read without touching the demand tracking)."""
+        loaded = [s for s in self.slots.values() if s.loaded]
+        return sum(s.stats().num_total_blocks * s.cost.bytes_per_block for s in loaded)
 
     def _record(self, action: Action, kind: str, before: int) -> None:
         entry = {
