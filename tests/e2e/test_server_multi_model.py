@@ -175,7 +175,9 @@ def test_an_idle_model_is_evicted_when_the_floors_do_not_fit_and_reloaded_on_dem
 
 
 @pytest.mark.parametrize("multi", [(48, {})], indirect=True)
-def test_routing_listing_metrics_and_bad_models(multi: Multi) -> None:
+def test_routing_listing_metrics_and_bad_models(
+    multi: Multi, capsys: pytest.CaptureFixture[str]
+) -> None:
     client = multi.server.client()
     assert [m.id for m in client.models.list().data] == ["a", "b"]
     assert multi.complete("b", "hi", 3).model == "b"
@@ -200,12 +202,12 @@ def test_routing_listing_metrics_and_bad_models(multi: Multi) -> None:
         f"{multi.server.base_url}/kv_cache", headers=AUTH, json={"model": "a", "num_blocks": 64}
     )
     assert r.status_code == 400 and "do not fit" in r.json()["error"]["message"]
-    r = httpx.post(
-        f"{multi.server.base_url}/kv_cache",
-        headers=AUTH,
-        json={"model": "a", "num_blocks": 20, "pin": True},
-    )
-    assert r.status_code == 200 and r.json()["models"]["a"]["pinned"] is True
+    url = multi.server.base_url
+    assert main(["resize", url, "20", "--model", "a", "--pin", "--admin-key", KEY]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "resized 24 -> 20 blocks"
+    assert out[2].startswith("a: KV cache: 20 blocks x 4 tokens") and out[2].endswith(", pinned")
+    assert multi.state()["models"]["a"]["pinned"] is True
     assert multi.blocks() == {"a": 20, "b": 24}
     assert multi.server.get("/health").status_code == 200
 
