@@ -9,11 +9,12 @@ MiB = 2**20
 
 
 class Probe:
-    def __init__(self, available_mib: int) -> None:
+    def __init__(self, available_mib: int, pressure_pct: float | None = None) -> None:
         self.available_mib = available_mib
+        self.pressure_pct = pressure_pct
 
     def __call__(self) -> MemorySample:
-        return MemorySample(self.available_mib * MiB, "fake")
+        return MemorySample(self.available_mib * MiB, "fake", self.pressure_pct)
 
 
 def test_a_fixed_budget_is_what_was_given_until_an_operator_sets_another() -> None:
@@ -42,3 +43,12 @@ def test_an_operators_value_stops_the_following() -> None:
     budget.set(500 * MiB)
     probe.available_mib = 100
     assert budget.budget_bytes(held_bytes=400 * MiB) == 500 * MiB
+
+
+def test_memory_pressure_near_the_reserve_shrinks_and_blocks_growth() -> None:
+    probe = Probe(3000)
+    budget = MemoryBudget(1024 * MiB, hysteresis_bytes=256 * MiB, probe=probe)
+    probe.available_mib, probe.pressure_pct = 1024 + 100, 35.0  # in the band, but stalling
+    assert budget.budget_bytes(held_bytes=1500 * MiB) == (1500 - 128) * MiB
+    probe.available_mib = 1024 + 1000  # room, still under pressure: no growth
+    assert budget.budget_bytes(held_bytes=1372 * MiB) == (1500 - 128) * MiB

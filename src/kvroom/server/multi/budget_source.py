@@ -6,7 +6,10 @@ less the reserve, with the elastic pool's band (``engine/kv/elastic.py``)::
 
     slack = available - reserve
     slack < 0        budget = held + slack - H/2        (shrink now: below the reserve)
-    slack > H        budget = held + slack - H/2        (grow, at most by what is free)
+    PSI some avg10 >= pressure_pct and slack < H
+                     budget = held - H/2                (reclaim is already stalling tasks)
+    slack > H        budget = held + slack - H/2        (grow, at most by what is free;
+                                                         not under pressure)
     otherwise        unchanged                          (no flapping around one value)
 
 ``held`` is the arbiter's own account (process + loaded models' fixed bytes + pools), so the
@@ -51,10 +54,12 @@ class MemoryBudget(FixedBudget):
         reserve_bytes: int,
         *,
         hysteresis_bytes: int = DEFAULT_HYSTERESIS_BYTES,
+        pressure_pct: float = 20.0,
         probe: Callable[[], MemorySample] = sample_memory,
     ) -> None:
         self.reserve_bytes = reserve_bytes
         self.hysteresis_bytes = hysteresis_bytes
+        self.pressure_pct = pressure_pct
         self._probe = probe
         self._pinned = False
         sample = probe()
@@ -72,9 +77,12 @@ class MemoryBudget(FixedBudget):
             return super().budget_bytes(held_bytes)
         sample = self._probe()
         self.source = sample.source
-        slack = sample.available_bytes - self.reserve_bytes
-        if slack < 0 or slack > self.hysteresis_bytes:
-            super().set(held_bytes + slack - self.hysteresis_bytes // 2)
+        slack, band = sample.available_bytes - self.reserve_bytes, self.hysteresis_bytes
+        pressed = sample.pressure_pct is not None and sample.pressure_pct >= self.pressure_pct
+        if slack < 0 or (slack > band and not pressed):
+            super().set(held_bytes + slack - band // 2)
+        elif pressed and slack < band:
+            super().set(held_bytes - band // 2)
         return super().budget_bytes(held_bytes)
 
     def describe(self) -> str:
