@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from kvroom.cli.multi_serve import add_multi_flags, refuse_multi_flags
 from kvroom.cli.options import add_config_flags, add_dequantize_flag, config_overrides
 from kvroom.plan.report import plan_table, terms_table
 
@@ -22,11 +23,14 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
     p = sub.add_parser("plan", help="print the memory plan of a model or artifact, writing nothing")
     p.add_argument(
         "model",
+        nargs="+",
         help="HF folder, .gguf file, built-in name (smollm2-135m), or an artifact folder "
-        "(its measured terms and the formula, side by side)",
+        "(its measured terms and the formula, side by side); several: the budget table of "
+        "the set under one memory budget (as `kvroom serve A B C` would share it)",
     )
     add_config_flags(p)
     add_dequantize_flag(p)
+    add_multi_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -60,6 +64,13 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from kvroom.artifact.layout import config_path
+
+    if len(args.model) > 1:
+        from kvroom.cli.plan_set import cmd_plan_set
+
+        return cmd_plan_set(args)
+    refuse_multi_flags(args)
+    args.model = args.model[0]
 
     if config_path(args.model).is_file():
         return _plan_artifact(args)

@@ -1,8 +1,9 @@
 """``kvroom resize URL [N|auto]``: show or change a running server's KV pool (admin API).
 
 The key comes from ``--admin-key`` or ``KVROOM_ADMIN_KEY``; the server's answer is printed as
-one line (``--json``: the whole state). A refusal (policy, reserve, key) is the server's
-message on stderr and exit code 2, like every kvroom user error.
+one line (``--json``: the whole state); a multi-model server's answer is one line per model,
+and ``--model NAME`` (``--pin``) resizes one of its pools. A refusal (policy, reserve, key) is
+the server's message on stderr and exit code 2, like every kvroom user error.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def add_resize_command(sub: Any) -> None:
     p.add_argument("--admin-key", default=None, help="the server's --admin-key ($KVROOM_ADMIN_KEY)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    p.add_argument("--model", default=None, help="several models served: the pool to resize")
+    p.add_argument(
+        "--pin", action="store_true", help="with --model: the arbiter leaves the pool at N"
+    )
     p.set_defaults(func=cmd_resize)
 
 
@@ -41,6 +46,8 @@ def cmd_resize(args: argparse.Namespace) -> int:
                 raise AdminRequestError(f"num_blocks: must be an integer or 'auto', got {value!r}")
             value = int(value)
         body = {"num_blocks": value, "persist": args.persist}
+        if args.model is not None:
+            body = {"model": args.model, "num_blocks": value, "pin": args.pin}
     key = args.admin_key or os.environ.get("KVROOM_ADMIN_KEY")
     state = admin_request(args.url, body, key=key, timeout=args.timeout)
     print(json.dumps(state, indent=2) if args.json else describe(state))
@@ -78,7 +85,10 @@ def _message(raw: bytes) -> str:
 
 
 def describe(state: dict[str, Any]) -> str:
-    """One line: what the resize did (if one was made), then the pool now."""
+    """One line: what the resize did (if one was made), then the pool now; a multi-model
+    server: the budget, then a line per model."""
+    if "models" in state:
+        return _describe_models(state)
     mib = state["bytes"] / 2**20
     now = (
         f"{state['num_blocks']} blocks x {state['block_size']} tokens = {state['num_tokens']} "
@@ -93,3 +103,21 @@ def describe(state: dict[str, Any]) -> str:
         f"{done['seconds'] * 1e3:.1f} ms ({done['num_moved_blocks']} blocks moved, "
         f"{done['num_preempted']} sequences preempted); now {now}"
     )
+
+
+def _describe_models(state: dict[str, Any]) -> str:
+    lines = [
+        f"memory budget {state['memory_budget_bytes'] / 2**20:.1f} MiB "
+        f"({state['memory_budget_source']}), pools may hold "
+        f"{state['kv_pool_budget_bytes'] / 2**20:.1f} MiB"
+    ]
+    for name, pool in state["models"].items():
+        if not pool["loaded"]:
+            lines.append(f"{name}: evicted (loaded {pool['num_loads']} times)")
+            continue
+        pin = ", pinned" if pool["pinned"] else ""
+        lines.append(f"{name}: {describe({k: v for k, v in pool.items() if k != 'models'})}{pin}")
+    done = state.get("resize")
+    if done is not None:
+        lines.insert(0, f"resized {done['from_blocks']} -> {done['to_blocks']} blocks")
+    return "\n".join(lines)

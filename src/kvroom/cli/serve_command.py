@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from kvroom.cli.live_pool_options import add_live_pool_flags, open_llm
+from kvroom.cli.multi_serve import add_multi_flags, open_models, single_artifact
 from kvroom.cli.options import (
     add_prefix_caching_flag,
     add_startup_flags,
@@ -30,8 +31,17 @@ from kvroom.errors import ConfigError
 
 
 def add_serve_command(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
-    p.add_argument("artifact")
+    p = sub.add_parser(
+        "serve",
+        help="serve one artifact, or several under one memory budget, over an "
+        "OpenAI-compatible HTTP API",
+    )
+    p.add_argument(
+        "artifact",
+        nargs="+",
+        help="artifact folder; several: one server routes by the request's model, the pools "
+        "share --memory-budget",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
     p.add_argument(
@@ -50,8 +60,10 @@ def add_serve_command(sub: Any) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        action="append",
         default=None,
-        help="model name clients send (default: the artifact path as given)",
+        help="model name clients send (default: the artifact path as given); several "
+        "artifacts: once per artifact, in order",
     )
     p.add_argument(
         "--api-key",
@@ -86,11 +98,15 @@ def add_serve_command(sub: Any) -> None:
     )
     add_tool_call_flags(p)
     add_live_pool_flags(p)
+    add_multi_flags(p)
     add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if len(args.artifact) > 1:
+        return cmd_serve_many(args)
+    single_artifact(args)
     if args.engine == "vllm":
         return cmd_serve_vllm(args)
     given = [f for f in ("vllm_python", "vllm_block_size", "vllm_pool") if getattr(args, f)]
@@ -100,7 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tools = tool_options(args)
     sock = bind_socket(args.host, args.port)  # before the slow imports: fail fast
     try:
-        from kvroom.server.app import create_app, serve
+        from kvroom.server.app import create_app
+        from kvroom.server.lifecycle import serve
 
         llm, elastic = open_llm(args.artifact, startup_overrides(args), args)
         plan = llm.runtime.plan
@@ -117,6 +134,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         _say(f"kvcache_num_blocks={plan.num_blocks} ({note})")  # the KV line was logged at load
         _say(f"serving {args.artifact} on {_url(host, port)} (OpenAI API under /v1)")
+        serve(app, sock, access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
+    finally:
+        sock.close()
+    _say("server stopped")
+    return 0
+
+
+def cmd_serve_many(args: argparse.Namespace) -> int:
+    """Several artifacts: load each with its share of the budget, serve them all."""
+    sock = bind_socket(args.host, args.port)
+    try:
+        from kvroom.server.lifecycle import serve
+        from kvroom.server.multi.app import create_multi_app
+
+        models = open_models(args)
+        app = create_multi_app(models, admin_key=args.admin_key, **_http_options(args))
+        host, port = sock.getsockname()[:2]
+        for name, slot in models.slots.items():
+            _say(f"model {name}: {slot.entry.artifact}, {slot.stats().num_total_blocks} blocks")
+        _say(f"memory budget {models.budget.describe()}")
+        names = ", ".join(models.slots)
+        _say(f"serving {names} on {_url(host, port)} (OpenAI API under /v1)")
         serve(app, sock, access_log=args.access_log, shutdown_timeout_s=args.shutdown_timeout)
     finally:
         sock.close()

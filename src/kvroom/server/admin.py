@@ -126,7 +126,9 @@ def install_admin(app: FastAPI, pool: LivePool, admin_key: str | None) -> None:
     app.include_router(router)
 
 
-def _authorized(request: Request) -> LivePool:
+def authorized(request: Request) -> Any:
+    """What ``app.state.kvroom_admin`` holds (the ``LivePool``, or a multi-model server's
+    models) once the admin key checks out; 404 without a key, 403 with a wrong one."""
     pool, key = request.app.state.kvroom_admin
     if key is None:
         raise ApiError(404, "admin endpoints are off; start with --admin-key", code="not_found")
@@ -139,13 +141,13 @@ def _authorized(request: Request) -> LivePool:
 @router.get("/kv_cache")
 async def get_kv_cache(request: Request) -> JSONResponse:
     """The pool now: blocks, tokens, bytes, used, free, the plan it came from, resizes."""
-    return JSONResponse(_authorized(request).state().to_dict())
+    return JSONResponse(authorized(request).state().to_dict())
 
 
 @router.post("/kv_cache")
 async def post_kv_cache(request: Request) -> JSONResponse:
     """Resize the pool; answers once the resize is complete, with the new state."""
-    pool = _authorized(request)  # before the body is read: no key, no validation messages
+    pool = authorized(request)  # before the body is read: no key, no validation messages
     try:
         body = ResizeRequest.model_validate_json(await request.body())
     except ValidationError as exc:

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes over one ``AsyncEngine``, errors as OpenAI error bodies.
+"""The FastAPI app: OpenAI routes over a ``ModelRouter`` (one model: ``SingleModel`` over one
+``AsyncEngine``; several: ``server/multi``), errors as OpenAI error bodies.
 
 A request's way through (``/v1/completions`` and ``/v1/chat/completions`` share it):
 
@@ -18,15 +19,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
-import socket
-import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
@@ -49,7 +46,8 @@ from kvroom.server.openai.prompts import (
     sampling_params,
 )
 from kvroom.server.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from kvroom.server.openai.responses import ModelCard, ModelList
+from kvroom.server.openai.responses import ModelList
+from kvroom.server.openai.routing import ModelRouter, SingleModel
 from kvroom.server.openai.serving import Job, Prompt, ServerState, json_response, serve_job
 from kvroom.server.openai.structured import check_compiles, requested_constraint
 from kvroom.server.openai.tokenization import TokenizerPool
@@ -82,28 +80,13 @@ def create_app(
     ``image_url`` parts may name local files in; ``tool_options``: vLLM's
     ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (``server/openai/tools.py``).
     """
-    runtime = llm.runtime
-    model = runtime.runner.model
-    media = Path(allowed_local_media_path) if allowed_local_media_path else None
-    engine = AsyncEngine(runtime.engine)
-    if runtime.engine.heap_guard is not None:
-        runtime.engine.heap_guard.serving = True  # the server's own memory is in the plan too
-    cfg = runtime.info.config
-    live_pool = LivePool(runtime, engine)
-    state = ServerState(
-        engine=engine,
-        metrics=ServerMetrics(lambda: engine.stats),
-        tokenizers=TokenizerPool(llm.tokenizer),
-        model_name=served_model_name or str(runtime.info.folder),
-        artifact=str(runtime.info.folder),
-        max_seq_len=cfg.max_seq_len,
-        vocab_size=runtime.spec.vocab_size,
-        max_num_seqs=cfg.batch_size,
-        block_size=cfg.kvcache_block_size,
-        images=ChatImages(model, media) if hasattr(model, "prepare_prompt") else None,
-        grammars=runtime.engine.grammars,
-        tool_options=tool_options or ToolOptions(),
+    state, live_pool = build_state(
+        llm,
+        served_model_name=served_model_name,
+        allowed_local_media_path=allowed_local_media_path,
+        tool_options=tool_options,
     )
+    engine = state.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -119,19 +102,62 @@ def create_app(
 
     app = FastAPI(title="kvroom", lifespan=lifespan)
     app.state.kvroom = state
+    install_admin(app, live_pool, admin_key)
+    install_routes(app, SingleModel(state), api_key=api_key, max_request_bytes=max_request_bytes)
+    return app
+
+
+def build_state(
+    llm: LLM,
+    *,
+    served_model_name: str | None = None,
+    allowed_local_media_path: str | Path | None = None,
+    tool_options: ToolOptions | None = None,
+    metrics: ServerMetrics | None = None,
+) -> tuple[ServerState, LivePool]:
+    """The routes' view of one loaded model (its engine thread not started yet) and the
+    ``LivePool`` that resizes it; ``metrics`` defaults to a registry of its own."""
+    runtime = llm.runtime
+    model = runtime.runner.model
+    media = Path(allowed_local_media_path) if allowed_local_media_path else None
+    engine = AsyncEngine(runtime.engine)
+    if runtime.engine.heap_guard is not None:
+        runtime.engine.heap_guard.serving = True  # the server's own memory is in the plan too
+    cfg = runtime.info.config
+    state = ServerState(
+        engine=engine,
+        metrics=metrics or ServerMetrics(lambda: engine.stats),
+        tokenizers=TokenizerPool(llm.tokenizer),
+        model_name=served_model_name or str(runtime.info.folder),
+        artifact=str(runtime.info.folder),
+        max_seq_len=cfg.max_seq_len,
+        vocab_size=runtime.spec.vocab_size,
+        max_num_seqs=cfg.batch_size,
+        block_size=cfg.kvcache_block_size,
+        images=ChatImages(model, media) if hasattr(model, "prepare_prompt") else None,
+        grammars=runtime.engine.grammars,
+        tool_options=tool_options or ToolOptions(),
+    )
+    return state, LivePool(runtime, engine)
+
+
+def install_routes(
+    app: FastAPI, models: ModelRouter, *, api_key: str | None, max_request_bytes: int
+) -> None:
+    """The OpenAI, tokenizer and cache routes over ``models``, error bodies, key and body cap
+    (the admin routes are the caller's: one pool or several)."""
+    app.state.kvroom_models = models
     app.include_router(router)
     app.include_router(tokenize_router)
     app.include_router(cache_router)
-    install_admin(app, live_pool, admin_key)
     add_error_handlers(app)
     if api_key:
         add_api_key_check(app, api_key)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    return app
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.kvroom
+def _models(request: Request) -> ModelRouter:
+    return request.app.state.kvroom_models
 
 
 # -- routes ----------------------------------------------------------------------------
@@ -139,26 +165,29 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine loop runs, 503 once it has stopped (vLLM's contract)."""
-    return Response(status_code=200 if _state(request).engine.is_alive else 503)
+    """200 while every engine loop runs, 503 once one has stopped (vLLM's contract)."""
+    alive = all(engine.is_alive for engine in _models(request).engines())
+    return Response(status_code=200 if alive else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body, content_type = _state(request).metrics.render()
+    body, content_type = _models(request).render_metrics()
     return Response(body, media_type=content_type)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    s = _state(request)
-    card = ModelCard(id=s.model_name, root=s.artifact, max_model_len=s.max_seq_len)
-    return json_response(ModelList(data=[card]))
+    return json_response(ModelList(data=_models(request).cards()))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    s = _state(request)
+    async with _models(request).lease(body.model) as s:
+        return await _completions(s, body, request)
+
+
+async def _completions(s: ServerState, body: CompletionRequest, request: Request) -> Response:
     check_request(s, body)
     if body.stream and body.best_of is not None and body.best_of > body.n:
         raise ApiError(
@@ -206,7 +235,13 @@ def _echo_only(body: CompletionRequest) -> bool:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    s = _state(request)
+    async with _models(request).lease(body.model) as s:
+        return await _chat_completions(s, body, request)
+
+
+async def _chat_completions(
+    s: ServerState, body: ChatCompletionRequest, request: Request
+) -> Response:
     check_request(s, body)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(
@@ -283,82 +318,3 @@ async def _chat_prompt(s: ServerState, body: ChatCompletionRequest) -> tuple[lis
         return ids, None
     assert s.images is not None
     return s.images.prepare_prompt(ids, urls)
-
-
-# -- running -----------------------------------------------------------------------------
-
-
-ABORT_GRACE_S = 10.0
-"""After the deadline's aborts, how long handlers get to send their last bytes (the engine
-finishes the step it is in first) before uvicorn cancels what is still running."""
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, with two changes for ``kvroom serve``:
-
-    - a SIGTERM/SIGINT that stopped it gracefully is not raised again afterwards (uvicorn
-      re-raises it, so the process would die of the signal): ``kvroom serve`` exits 0;
-    - at the shutdown deadline the engine aborts every live request, so each ends as a
-      response (``finish_reason`` "abort"; a stream then sends ``[DONE]``) instead of a
-      cancelled handler (a bare 500, a cut stream and a traceback).
-    """
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, deadline_s: float) -> None:
-        super().__init__(config)
-        self.engine = engine
-        self.deadline_s = deadline_s
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        handled = (signal.SIGINT, signal.SIGTERM)
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        deadline = asyncio.get_running_loop().call_later(self.deadline_s, self._abort_live)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            deadline.cancel()
-
-    def _abort_live(self) -> None:
-        stats = self.engine.stats
-        live = stats.num_running + stats.num_waiting
-        if live:
-            logger.warning(
-                "shutdown: %d request(s) still running after --shutdown-timeout %gs; aborting them",
-                live,
-                self.deadline_s,
-            )
-        self.engine.shutdown(timeout=0)  # stop taking requests, abort and deliver the rest
-
-
-def serve(
-    app: FastAPI,
-    sock: socket.socket,
-    *,
-    access_log: bool = True,
-    shutdown_timeout_s: float = 30.0,
-) -> None:
-    """Serve ``app`` on the bound socket ``sock`` until SIGTERM/SIGINT.
-
-    On the signal: stop accepting, let in-flight requests finish for up to
-    ``shutdown_timeout_s`` seconds, then abort what is left (each request still gets its
-    answer, with ``finish_reason`` "abort"), stop the engine loop, return.
-    """
-    config = uvicorn.Config(
-        app,
-        loop="auto",  # uvloop and httptools where installed: a streamed token costs the
-        http="auto",  # event loop less than asyncio's pure-Python loop and h11's framing
-        lifespan="on",
-        access_log=access_log,
-        timeout_graceful_shutdown=shutdown_timeout_s + ABORT_GRACE_S,  # type: ignore[arg-type]
-    )
-    _Server(config, app.state.kvroom.engine, shutdown_timeout_s).run(sockets=[sock])

@@ -52,8 +52,8 @@ def resolve_resize(
         max_num_blocks: the pool's reserve; "auto" is capped at it, an int above it refused.
         memory: the memory available now (default: probe ``plan.device``).
         source: ``"resize"`` (an operator: sizes above the start-up estimate are warned
-            about, as ``set`` does) or ``"elastic"`` (the controller, which just measured the
-            memory: only the minimum applies).
+            about, as ``set`` does), ``"elastic"`` (the controller, which just measured the
+            memory) or ``"arbiter"`` (a multi-model server's budget): only the minimum applies.
 
     Raises:
         ConfigError: not an int or "auto", <= 0, below ``num_min_blocks``, or above
@@ -76,7 +76,11 @@ def resolve_resize(
         raise ConfigError(f"num_blocks: must be an integer or 'auto', got {requested!r}")
     if isinstance(requested, int) and not isinstance(requested, bool):
         check_reserve(requested, max_num_blocks)
-    if source == "elastic" and isinstance(requested, int) and requested >= plan.num_min_blocks:
+    if (
+        source in ("elastic", "arbiter")
+        and isinstance(requested, int)
+        and requested >= plan.num_min_blocks
+    ):
         return plan.with_num_blocks(requested, source)
     n = validate_num_blocks(requested, plan, source=source)
     return plan.with_num_blocks(n, source)

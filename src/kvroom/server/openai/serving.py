@@ -47,7 +47,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class ServerState:
-    """What the routes need, kept on ``app.state.kvroom``."""
+    """What the routes need for one model; the app's ``ModelRouter`` hands it out."""
 
     engine: AsyncEngine
     metrics: ServerMetrics

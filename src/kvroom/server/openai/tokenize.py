@@ -56,8 +56,13 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(
     body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request
 ) -> Response:
-    s: ServerState = request.app.state.kvroom
-    _check_model(s, body.model)
+    async with request.app.state.kvroom_models.lease(body.model) as s:
+        return await _tokenize(s, body)
+
+
+async def _tokenize(
+    s: ServerState, body: TokenizeCompletionRequest | TokenizeChatRequest
+) -> Response:
     if isinstance(body, TokenizeChatRequest):
         if body.continue_final_message:
             raise ApiError(
@@ -77,17 +82,6 @@ async def tokenize(
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    s: ServerState = request.app.state.kvroom
-    _check_model(s, body.model)
-    check_token_ids(s, body.tokens, "tokens")
-    return json_response(DetokenizeResponse(prompt=await s.tokenizers.decode(body.tokens)))
-
-
-def _check_model(s: ServerState, model: str | None) -> None:
-    if model is not None and model != s.model_name:
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist; this server serves '{s.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+    async with request.app.state.kvroom_models.lease(body.model) as s:
+        check_token_ids(s, body.tokens, "tokens")
+        return json_response(DetokenizeResponse(prompt=await s.tokenizers.decode(body.tokens)))
