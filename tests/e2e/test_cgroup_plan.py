@@ -1,8 +1,10 @@
-"""``kvroom plan`` inside a real memory cgroup plans for that cgroup's limit, not the host's RAM.
+"""Inside a real memory cgroup, ``kvroom plan`` plans for that cgroup's limit, not the host's
+RAM, and an ``auto`` pool sized at start-up there can be filled without the process being
+OOM-killed.
 
-The test makes a child of its own memory cgroup (v1 or v2, whichever holds the memory
-controller) with a 2 GiB limit, starts ``kvroom plan smollm2-135m`` in it and removes it after.
-It needs root and a writable memory controller; elsewhere it skips and says why.
+Each test makes a child of its own memory cgroup (v1 or v2, whichever holds the memory
+controller) with a 2 GiB limit, starts kvroom in it and removes it after. They need root and
+a writable memory controller; elsewhere they skip and say why.
 """
 
 from __future__ import annotations
@@ -86,6 +88,47 @@ def test_plan_inside_a_2gib_cgroup_plans_for_2gib(child_cgroup: ChildCgroup) -> 
     assert 0 < parse_bytes(rows[label].replace(" ", "")) <= LIMIT_BYTES
     pool = rows["KV pool"].split(", ")[1]  # "N tokens, X GiB"
     assert parse_bytes(pool.replace(" ", "")) < LIMIT_BYTES
+
+
+FILL_SCRIPT = """
+import sys
+from kvroom import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], kvcache_num_blocks="auto")
+pool = llm.runtime.pool
+for layer in pool.layers:  # every page of the pool resident, as a full pool holds it
+    layer.fill_(1.0)
+greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+llm.generate(["Tell me about the sea."] * 8, greedy)
+print(pool.num_blocks, pool.nbytes())
+"""
+
+
+def test_a_filled_auto_pool_is_not_oom_killed_in_a_2gib_cgroup(
+    child_cgroup: ChildCgroup, smol_artifact: Path
+) -> None:
+    join_then_run = 'echo $$ > "$0" && exec "$@"'
+    done = subprocess.run(
+        ["sh", "-c", join_then_run, str(child_cgroup.directory / "cgroup.procs")]
+        + [sys.executable, "-c", FILL_SCRIPT, str(smol_artifact)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    blocks, pool_bytes = map(int, done.stdout.split())
+    assert pool_bytes > LIMIT_BYTES // 4, done.stdout  # auto took the room there was
+    assert _oom_kills(child_cgroup) == 0
+
+
+def _oom_kills(child: ChildCgroup) -> int:
+    """OOM kills in the cgroup (v1 ``memory.oom_control``, v2 ``memory.events``)."""
+    name = "memory.oom_control" if child.version == 1 else "memory.events"
+    for line in (child.directory / name).read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    pytest.skip(f"{name} does not count OOM kills on this kernel")
 
 
 def _rows(table: str) -> dict[str, str]:
