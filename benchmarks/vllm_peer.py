@@ -3,6 +3,10 @@
 .venv/bin/python benchmarks/vllm_peer.py artifacts/smollm2-135m artifacts/smollm2-135m-bf16 \
     --vllm-python /path/to/vllm-env/bin/python [--repeats 3] [--json PATH]
 
+An artifact whose weights vLLM's CPU backend cannot load (a GGUF kept as shipped) is compared
+against vLLM on its dequantized copy, with the same pool: ``ART=DENSE`` (kvroom runs ``ART``,
+vLLM ``DENSE``; ``kvroom compile smollm2-135m --dequantize``).
+
 Per artifact, vLLM runs offline (``vllm.LLM(**args)``, ``args`` from
 ``kvroom.integrations.vllm.prepare``, so its pool is the plan's; prefix caching off in both
 engines, so no repeat reuses an earlier run's blocks) in a subprocess of its own interpreter
@@ -228,9 +232,10 @@ def run_kvroom(llm: LLM, w: dict[str, Any]) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, ids
 
 
-def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Every workload on both engines, alternating, for one artifact."""
-    launch = prepare(artifact, enable_prefix_caching=False)
+def compare(artifact: Path, args: argparse.Namespace, peer_artifact: Path) -> dict[str, Any]:
+    """Every workload on both engines, alternating, for one artifact (vLLM on
+    ``peer_artifact``: the artifact itself, or its dequantized copy)."""
+    launch = prepare(peer_artifact, enable_prefix_caching=False)
     llm = LLM(artifact, enable_prefix_caching=False)  # as vLLM runs here: no reuse between runs
     loads = workloads(llm, args.num_requests, args.new_tokens)
     peer = VllmPeer(args.vllm_python, launch, loads)
@@ -279,6 +284,7 @@ def compare(artifact: Path, args: argparse.Namespace) -> dict[str, Any]:
     ceiling = statistics.median(gflops) * 1e9 / flops_per_token(llm)
     return {
         "artifact": str(artifact),
+        "vllm_artifact": str(peer_artifact),
         "dtype": llm.runtime.info.config.dtype,
         "threads": {"kvroom": torch.get_num_threads(), "vllm": int(peer.threads)},
         "plan_kv_tokens": launch.plan.num_tokens,
@@ -357,7 +363,7 @@ def print_report(results: list[dict[str, Any]], repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("artifacts", type=Path, nargs="+")
+    parser.add_argument("artifacts", nargs="+", help="ART, or ART=DENSE (vLLM runs DENSE)")
     parser.add_argument(
         "--vllm-python",
         default=os.environ.get("KVROOM_VLLM_PYTHON"),
@@ -373,8 +379,9 @@ def main() -> None:
     if not args.vllm_python:
         parser.error("--vllm-python (or KVROOM_VLLM_PYTHON) is required")
     results = []
-    for artifact in args.artifacts:  # each artifact's table as soon as it is done
-        results.append(compare(artifact, args))
+    for spec in args.artifacts:  # each artifact's table as soon as it is done
+        artifact, _, dense = spec.partition("=")
+        results.append(compare(Path(artifact), args, Path(dense or artifact)))
         print("\n".join(table(results[-1:])), flush=True)
     print_report(results, args.repeats)
     if args.json:

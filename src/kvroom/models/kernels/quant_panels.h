@@ -24,7 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -88,14 +88,17 @@ inline void row_values(const uint8_t* q, vf (&v)[4]) {
 }
 #endif
 
-typedef _Float16 vhf __attribute__((vector_size(16)));
-
 // 8 scale values at p (float16 or float32) as floats
 inline vf params8(const void* p, bool half) {
   if (!half) return vld(static_cast<const float*>(p));
+#if defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+#else
+  typedef _Float16 vhf __attribute__((vector_size(16)));
   vhf h;
   std::memcpy(&h, p, sizeof h);
   return __builtin_convertvector(h, vf);
+#endif
 }
 
 // group g's 32 scales (and mins) of panel p as four vectors each
@@ -134,35 +137,41 @@ inline void dequantize_rows(const QuantWeight& w, int64_t p, int K, int k0, int 
 }
 
 // o[MR, 32] = x @ panel p for decode sizes: per group, x . q and sum(x) as the values are
-// unpacked, then s * (x . q) + m * sum(x)
+// unpacked, then s * (x . q) + m * sum(x). One row keeps two sets of dot products (even and odd
+// k), so that 8 FMA chains, not 4, hide the FMA's latency; two rows have 8 already.
 template <int BITS, bool AFFINE, int MR>
 inline void fused_product(const float* x, int64_t x_stride, const QuantWeight& w, int64_t p,
                           int K, float* o) {
   constexpr int OFFSET = BITS == 4 && !AFFINE ? 8 : 0;
   constexpr int BYTES = row_bytes<BITS>();
+  constexpr int SETS = MR == 1 ? 2 : 1;
   const int64_t groups = K / w.group;
   const uint8_t* q = w.q + p * K * BYTES;
   vf acc[MR][4] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    vf dot[MR][4] = {};
+    vf dot[SETS][MR][4] = {};
     float sum[MR] = {};
     const int k_end = static_cast<int>((g + 1) * w.group);
-    for (int k = static_cast<int>(g * w.group); k < k_end; ++k, q += BYTES) {
-      __builtin_prefetch(q + 16 * BYTES, 0, 3);
-      vf v[4];
-      row_values<BITS, OFFSET>(q, v);
-      for (int r = 0; r < MR; ++r) {
-        const float xk = x[r * x_stride + k];
-        const vf xv = vset(xk);
-        if constexpr (AFFINE) sum[r] += xk;
-        for (int j = 0; j < 4; ++j) dot[r][j] += xv * v[j];
+    for (int k = static_cast<int>(g * w.group); k < k_end; k += SETS) {
+      for (int set = 0; set < SETS && k + set < k_end; ++set, q += BYTES) {
+        __builtin_prefetch(q + 16 * BYTES, 0, 3);
+        vf v[4];
+        row_values<BITS, OFFSET>(q, v);
+        for (int r = 0; r < MR; ++r) {
+          const float xk = x[r * x_stride + k + set];
+          const vf xv = vset(xk);
+          if constexpr (AFFINE) sum[r] += xk;
+          for (int j = 0; j < 4; ++j) dot[set][r][j] += xv * v[j];
+        }
       }
     }
     vf s[4], m[4];
     group_params<AFFINE>(w, p, groups, g, s, m);
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 4; ++j)
-        acc[r][j] += AFFINE ? dot[r][j] * s[j] + m[j] * sum[r] : dot[r][j] * s[j];
+      for (int j = 0; j < 4; ++j) {
+        const vf d = SETS == 2 ? dot[0][r][j] + dot[SETS - 1][r][j] : dot[0][r][j];
+        acc[r][j] += AFFINE ? d * s[j] + m[j] * sum[r] : d * s[j];
+      }
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) vst(o + r * PANEL + j * VW, acc[r][j]);
