@@ -9,6 +9,7 @@ import torch
 from kvroom.models import kv_quant
 from kvroom.models.attention import paged_attention
 from kvroom.models.attention_index import SeqChunk, build_attention_metadata
+from kvroom.models.kernels import cpu_kernels, ops
 from kvroom.models.kv_quant import KVCodec
 
 BITS = [8, 4]
@@ -85,11 +86,23 @@ def _steps_store(chunks):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("path", ["native", "torch"])
 def test_attention_over_a_quantized_pool_is_attention_over_its_dequantized_kv(
-    bits: int, rotate: bool
+    bits: int, rotate: bool, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fresh prefill, a chunk with cached context, then mixed decode steps: each step's
-    output equals the float path over the dequantized (and unrotated) K/V."""
+    output equals the float path over the dequantized (and unrotated) K/V, through the native
+    kernels (where built) and through the torch fallback."""
+    ran: list[str] = []
+    for name in ("decode_attention_q", "prefill_attention_q"):
+        kernel = getattr(ops, name)
+
+        def spy(*args, _kernel=kernel, _name=name, **kwargs):
+            out = None if path == "torch" else _kernel(*args, **kwargs)
+            ran.extend([_name] if out is not None else [])
+            return out
+
+        monkeypatch.setattr(ops, name, spy)
     codec = KVCodec(bits, rotate)
     h = codec.rotation(D, torch.device("cpu"))
     pool_q = torch.zeros(16, BLOCK, 2, KVH, codec.row_bytes(D), dtype=torch.uint8)
@@ -110,3 +123,5 @@ def test_attention_over_a_quantized_pool_is_attention_over_its_dequantized_kv(
         want = _reference(q, kv, pool_f, chunks, codec, h)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert kv_quant.dequantize(pool_q[3, 0], bits, torch.float32).abs().sum() > 0
+    native = path == "native" and cpu_kernels().native
+    assert set(ran) == ({"decode_attention_q", "prefill_attention_q"} if native else set())

@@ -217,18 +217,26 @@ def _select(
 
 
 def _native_decode(
-    q: torch.Tensor, cache: torch.Tensor, g: DecodeGroup, scale: float, softcap: float | None
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    g: DecodeGroup,
+    scale: float,
+    softcap: float | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor | None:
     """The decode kernel where it has its vector path (head dim 64/128/256). Else,
     without a softcap, the tiled prefill kernel with one query row per sequence, faster than
     the decode kernel's scalar path (8 sequences x 1,500 keys, bf16: 1.38 against 5.52 ms); the
-    decode kernel serves the rest. None: neither applies."""
+    decode kernel serves the rest. An int8/int4 pool: its own kernel (head dims of 16k),
+    dequantizing in registers. None: none applies."""
+    assert g.lens is not None
+    if codec is not None:
+        return native.decode_attention_q(q, cache, codec.bits, g.kv_index, g.lens, scale, softcap)
     fast = native.decode_vectorized(q.shape[2])
     if not fast and not softcap and g.last_pos is not None and g.one_row is not None:
         out = native.prefill_attention(q, cache, g.kv_index, g.last_pos, g.one_row, scale)
         if out is not None:
             return out
-    assert g.lens is not None
     return native.decode_attention(q, cache, g.kv_index, g.lens, scale, softcap)
 
 
@@ -238,13 +246,13 @@ def _decode(
     g: DecodeGroup,
     scale: float,
     softcap: float | None,
-    codec: KVCodec | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """One query per sequence. The query heads sharing a KV head become that head's "query
     positions" (``[B, kv_heads, group, D]``), so GQA needs neither ``repeat_kv`` nor a copy."""
     b, h, d = q.shape
     if g.lens is not None:
-        out = _native_decode(q, cache, g, scale, softcap)
+        out = _native_decode(q, cache, g, scale, softcap, codec)
         if out is not None:
             return out
     if g.kv_start is None:
@@ -299,7 +307,13 @@ def _prefill_full(
     (``_native_prefill``), else SDPA: fresh chunks over the step's own K/V under the causal
     mask, chunks with cached context over their gathered blocks (``_prefill_chunks``)."""
     in_place = g.starts is not None and g.q_lens is not None and softcap is None
-    if in_place and _native_prefill(q, g):
+    if in_place and codec is not None and not g.fresh:
+        out = native.prefill_attention_q(
+            q, cache, codec.bits, g.kv_index, g.starts, g.q_lens, scale
+        )
+        if out is not None:
+            return out
+    elif in_place and _native_prefill(q, g):
         out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
         if out is not None:
             return out

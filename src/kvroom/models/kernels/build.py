@@ -119,7 +119,19 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_decode_vectorized.restype = i32
     lib.kvroom_prefill_vectorized.argtypes = [i32]
     lib.kvroom_prefill_vectorized.restype = i32
+    _signature_q(lib)
     return lib
+
+
+def _signature_q(lib: ctypes.CDLL) -> None:
+    """The int8/int4 KV attention entry points (``kvq_attention.h``)."""
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.kvroom_decode_attention_q.argtypes = [ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr]
+    lib.kvroom_decode_attention_q.argtypes += [i32, i32, i32, i32, i32, f32, f32, i32]
+    lib.kvroom_decode_attention_q.restype = i32
+    lib.kvroom_prefill_attention_q.argtypes = [ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr, ptr]
+    lib.kvroom_prefill_attention_q.argtypes += [i32, i32, i32, i32, i32, f32]
+    lib.kvroom_prefill_attention_q.restype = i32
 
 
 def compile_library(source: Path, target: Path, march: str = "native") -> None:
