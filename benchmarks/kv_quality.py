@@ -110,8 +110,8 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> dict[str, float]
     return {"identical": same, "prefix_share": sum(prefix) / len(prefix)}
 
 
-def text_windows(llm: LLM, texts: list[Path], window: int, count: int) -> list[list[int]]:
-    ids = llm.tokenizer.encode("\n\n".join(p.read_text() for p in texts))
+def text_windows(llm: LLM, text: str, window: int, count: int) -> list[list[int]]:
+    ids = llm.tokenizer.encode(text)
     if len(ids) < window * count:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than {count} x {window}")
     return [ids[i * window : (i + 1) * window] for i in range(count)]
@@ -130,11 +130,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    text = "\n\n".join(p.read_text() for p in args.text)  # read once: every variant the same
     rows: dict[str, dict[str, float]] = {}
     ref: list[list[int]] | None = None
     for name in args.variants:
         llm = LLM(str(artifact(args.workdir, name)), kvcache_num_blocks=args.blocks)
-        windows = text_windows(llm, args.text, args.window, args.windows)
+        windows = text_windows(llm, text, args.window, args.windows)
         tokens = greedy(llm)
         ref = tokens if ref is None else ref
         rows[name] = {"perplexity": perplexity(llm, windows), **agreement(tokens, ref)}

@@ -16,6 +16,9 @@
 // (``load_kv`` overloads below, picked by the tag types ``KVInt8`` / ``KVInt4``).
 #pragma once
 #include <omp.h>
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -46,8 +49,27 @@ struct KVBits<KVInt4> {
   static constexpr int value = 4;
 };
 
-typedef int8_t vc8 __attribute__((vector_size(8)));
-typedef uint8_t vb8 __attribute__((vector_size(8)));
+// 8 signed bytes at p as 8 int32 (one vpmovsxbd on AVX2; GCC's generic conversion of byte
+// vectors is element by element)
+inline vi widen8(const uint8_t* p) {
+#if defined(__AVX2__)
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE4_1__)
+  int32_t a, b;
+  std::memcpy(&a, p, 4);
+  std::memcpy(&b, p + 4, 4);
+  const __m128i lo = _mm_cvtepi8_epi32(_mm_cvtsi32_si128(a));
+  const __m128i hi = _mm_cvtepi8_epi32(_mm_cvtsi32_si128(b));
+  vi r;
+  std::memcpy(&r, &lo, 16);
+  std::memcpy(reinterpret_cast<char*>(&r) + 16, &hi, 16);
+  return r;
+#else
+  vi r;
+  for (int i = 0; i < VW; ++i) r[i] = static_cast<int8_t>(p[i]);
+  return r;
+#endif
+}
 
 inline int64_t kvq_row_bytes(int D, int bits) { return D * bits / 8 + 4; }
 
@@ -61,16 +83,12 @@ inline float kvq_scale(const uint8_t* row, int D, int bits) {
 template <int BITS>
 inline void load16(const uint8_t* p, vf& a, vf& b) {
   if constexpr (BITS == 8) {
-    vc8 x, y;
-    std::memcpy(&x, p, 8);
-    std::memcpy(&y, p + 8, 8);
-    a = __builtin_convertvector(x, vf);
-    b = __builtin_convertvector(y, vf);
+    a = __builtin_convertvector(widen8(p), vf);
+    b = __builtin_convertvector(widen8(p + 8), vf);
   } else {
-    vb8 x;
-    std::memcpy(&x, p, 8);
-    a = __builtin_convertvector(x & 15, vf) - 8.f;
-    b = __builtin_convertvector(x >> 4, vf) - 8.f;
+    const vi x = widen8(p);  // sign-extended bytes: the masks below take the nibbles back
+    a = __builtin_convertvector((x & 15) - 8, vf);
+    b = __builtin_convertvector(((x >> 4) & 15) - 8, vf);
   }
 }
 
@@ -119,59 +137,78 @@ inline void load_kv(const KVInt4* c, int64_t slot, int KVH, int D, int g, float*
   load_kv_q(c, slot, KVH, D, g, k, ks, v);
 }
 
-// acc[lanes of NC chunks from chunk c0] = sum_p w[p] * scale_p * v_p, over one sequence's rows
-template <int BITS, int NC>
+// acc[jj][lanes of NC chunks from chunk c0] = sum_p w[jj][p] * scale_p * v_p for JB heads,
+// over one sequence's rows: each V row is widened once for the JB heads
+template <int BITS, int JB, int NC>
 inline void weigh_values_q(const uint8_t* vbase, const int64_t* table, int64_t len,
-                           int unit_len, int64_t row, const float* w, int D, int c0,
+                           int unit_len, int64_t row, const float* w, int64_t lp, int D, int c0,
                            float* acc) {
-  vf a[2 * NC] = {};
+  vf a[JB][2 * NC] = {};
   for (int64_t p0 = 0; p0 < len; p0 += unit_len) {
     const uint8_t* unit = vbase + table[p0 / unit_len] * unit_len * row;
     const int64_t n = std::min<int64_t>(unit_len, len - p0);
     for (int64_t t = 0; t < n; ++t) {
       const uint8_t* v = unit + t * row;
-      const vf wv = vset(w[p0 + t] * kvq_scale(v, D, BITS));
-      for (int c = 0; c < NC; ++c) {
-        vf x, y;
-        load16<BITS>(v + (c0 + c) * 2 * BITS, x, y);
-        a[2 * c] += wv * x;
-        a[2 * c + 1] += wv * y;
+      const float s = kvq_scale(v, D, BITS);
+      vf x[2 * NC];
+      for (int c = 0; c < NC; ++c) load16<BITS>(v + (c0 + c) * 2 * BITS, x[2 * c], x[2 * c + 1]);
+      for (int jj = 0; jj < JB; ++jj) {
+        const vf wj = vset(w[jj * lp + p0 + t] * s);
+        for (int c = 0; c < 2 * NC; ++c) a[jj][c] += wj * x[c];
       }
     }
   }
-  for (int c = 0; c < 2 * NC; ++c) vst(acc + c0 * 16 + c * VW, a[c]);
+  for (int jj = 0; jj < JB; ++jj)
+    for (int c = 0; c < 2 * NC; ++c) vst(acc + jj * D + c0 * 16 + c * VW, a[jj][c]);
+}
+
+// the jb (1..3) heads of one kv head: sweeps of 12 / jb accumulators over the head dim
+template <int BITS, int JB, int NC>
+inline void weigh_sweeps_q(const uint8_t* vbase, const int64_t* table, int64_t len,
+                           int unit_len, int64_t row, const float* w, int64_t lp, int D,
+                           float* acc) {
+  int c0 = 0;
+  for (; c0 + NC <= D / 16; c0 += NC)
+    weigh_values_q<BITS, JB, NC>(vbase, table, len, unit_len, row, w, lp, D, c0, acc);
+  for (; c0 < D / 16; ++c0)
+    weigh_values_q<BITS, JB, 1>(vbase, table, len, unit_len, row, w, lp, D, c0, acc);
 }
 
 template <int BITS>
-inline void weigh_head_q(const uint8_t* vbase, const int64_t* table, int64_t len, int unit_len,
-                         int64_t row, const float* w, int D, float* acc) {
-  int c0 = 0;
-  for (; c0 + 4 <= D / 16; c0 += 4)
-    weigh_values_q<BITS, 4>(vbase, table, len, unit_len, row, w, D, c0, acc);
-  for (; c0 < D / 16; ++c0)
-    weigh_values_q<BITS, 1>(vbase, table, len, unit_len, row, w, D, c0, acc);
+inline void weigh_heads_q(int jb, const uint8_t* vbase, const int64_t* table, int64_t len,
+                          int unit_len, int64_t row, const float* w, int64_t lp, int D,
+                          float* acc) {
+  if (jb == 3)
+    weigh_sweeps_q<BITS, 3, 2>(vbase, table, len, unit_len, row, w, lp, D, acc);
+  else if (jb == 2)
+    weigh_sweeps_q<BITS, 2, 2>(vbase, table, len, unit_len, row, w, lp, D, acc);
+  else
+    weigh_sweeps_q<BITS, 1, 4>(vbase, table, len, unit_len, row, w, lp, D, acc);
 }
 
-// sc[m][p] = scale_p * (q_m . k_p) for the gn * G query rows of kv heads g0 .. g0 + gn - 1
+// sc[m][p] = scale_p * (q_m . k_p) for the gn * G query rows of kv heads g0 .. g0 + gn - 1;
+// each K row is widened once into kf (lane order) for its G heads
 template <int BITS>
 inline void scores_q(const float* qf, const uint8_t* kbase, const int64_t* table, int64_t len,
                      int unit_len, int64_t row, int64_t r, int gn, int G, int D, float* sc,
-                     int64_t lp) {
+                     int64_t lp, float* kf) {
   for (int64_t p0 = 0; p0 < len; p0 += unit_len) {
     const uint8_t* unit = kbase + table[p0 / unit_len] * unit_len * row;
     const int64_t n = std::min<int64_t>(unit_len, len - p0);
     for (int64_t t = 0; t < n; ++t)
       for (int g = 0; g < gn; ++g) {
         const uint8_t* k = unit + t * row + g * r;
+        for (int c = 0; c < D / 16; ++c) {
+          vf x, y;
+          load16<BITS>(k + c * 2 * BITS, x, y);
+          vst(kf + c * 16, x);
+          vst(kf + c * 16 + VW, y);
+        }
         const float s = kvq_scale(k, D, BITS);
         for (int j = 0; j < G; ++j) {
           const float* qm = qf + (g * G + j) * D;
-          vf a = {};
-          for (int c = 0; c < D / 16; ++c) {
-            vf x, y;
-            load16<BITS>(k + c * 2 * BITS, x, y);
-            a += vld(qm + c * 16) * x + vld(qm + c * 16 + VW) * y;
-          }
+          vf a = vld(qm) * vld(kf);
+          for (int c = VW; c < D; c += VW) a += vld(qm + c) * vld(kf + c);
           sc[(g * G + j) * lp + p0 + t] = hsum(a) * s;
         }
       }
@@ -185,21 +222,26 @@ void decode_item_q(const Q* q, int64_t q_stride, const uint8_t* cache, const int
                    int unit_len, float scale, float softcap, std::vector<float>& buf) {
   const int G = H / KVH, M = gn * G;
   const int64_t lp = (len + VW - 1) / VW * VW;
-  buf.resize(static_cast<size_t>(M) * (2 * D + lp + 1));
+  buf.resize(static_cast<size_t>(M) * (2 * D + lp + 1) + D);
   float* qf = buf.data();    // [M][D] queries in lane order, pre-scaled unless softcapped
   float* acc = qf + M * D;   // [M][D] in lane order
   float* sc = acc + M * D;   // [M][lp]
   float* inv = sc + M * lp;  // [M]
+  float* kf = inv + M;       // [D] one K row, widened
   const float qs = softcap > 0.f ? 1.f : scale;
   const Q* qrow = q + b * q_stride + static_cast<int64_t>(g0) * G * D;
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < D; ++i) qf[m * D + lane<BITS>(i)] = load(qrow[m * D + i]) * qs;
   const int64_t r = kvq_row_bytes(D, BITS), row = 2 * KVH * r;
-  scores_q<BITS>(qf, cache + g0 * r, table, len, unit_len, row, r, gn, G, D, sc, lp);
+  scores_q<BITS>(qf, cache + g0 * r, table, len, unit_len, row, r, gn, G, D, sc, lp, kf);
   for (int m = 0; m < M; ++m) inv[m] = softmax_row(sc + m * lp, len, lp, scale, softcap);
-  for (int m = 0; m < M; ++m) {
-    const uint8_t* vbase = cache + (KVH + g0 + m / G) * r;
-    weigh_head_q<BITS>(vbase, table, len, unit_len, row, sc + m * lp, D, acc + m * D);
+  for (int g = 0; g < gn; ++g) {
+    const uint8_t* vbase = cache + (KVH + g0 + g) * r;
+    for (int j0 = 0; j0 < G; j0 += 3) {
+      const int m = g * G + j0;
+      weigh_heads_q<BITS>(std::min(3, G - j0), vbase, table, len, unit_len, row, sc + m * lp,
+                          lp, D, acc + m * D);
+    }
   }
   Q* dst = out + static_cast<int64_t>(b) * H * D + static_cast<int64_t>(g0) * G * D;
   for (int m = 0; m < M; ++m)
