@@ -7,7 +7,10 @@ the Hadamard rotation. For each:
 * perplexity of a local held-out text (the project's own docs, written after the model was
   trained), ``--windows`` windows of ``--window`` tokens, each attended from its start;
 * greedy agreement with float32 KV over 32 chat prompts x 64 new tokens: prompts whose tokens
-  are identical, and the mean share of tokens before the first difference.
+  are identical, and the mean share of tokens before the first difference;
+* accuracy on the project's 40-question multiple-choice task (``lm_eval/facts_mc.jsonl``),
+  scored as lm-eval scores it (``acc``: the choice of the largest log-likelihood after the
+  question; ``acc_norm``: per character), from the engine's prompt log-probabilities.
 
     python benchmarks/kv_quality.py --workdir /path/to/workdir --json results-kv-quality.json
 
@@ -110,11 +113,49 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> dict[str, float]
     return {"identical": same, "prefix_share": sum(prefix) / len(prefix)}
 
 
+def multiple_choice(llm: LLM, path: Path) -> dict[str, float]:
+    """acc and acc_norm over the task's questions (``" " + choice`` after the question)."""
+    docs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts, spans = [], []
+    for doc in docs:
+        context = llm.tokenizer.encode(doc["question"])
+        for choice in doc["choices"]:
+            ids = llm.tokenizer.encode(doc["question"] + " " + choice)
+            prompts.append(ids)
+            spans.append(len(context))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    scores = []
+    for ids, start, result in zip(prompts, spans, llm.generate(prompts, params), strict=True):
+        pairs = zip(result.prompt_logprobs[start:], ids[start:], strict=True)
+        scores.append(sum(d[t].logprob for d, t in pairs))
+    acc = norm = 0
+    for doc in docs:
+        n = len(doc["choices"])
+        own, scores = scores[:n], scores[n:]
+        lengths = [len(c) for c in doc["choices"]]  # lm-eval: the choice alone
+        acc += max(range(n), key=lambda i: own[i]) == doc["answer"]
+        norm += max(range(n), key=lambda i: own[i] / lengths[i]) == doc["answer"]
+    return {"mc_acc": acc / len(docs), "mc_acc_norm": norm / len(docs)}
+
+
 def text_windows(llm: LLM, text: str, window: int, count: int) -> list[list[int]]:
     ids = llm.tokenizer.encode(text)
     if len(ids) < window * count:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than {count} x {window}")
     return [ids[i * window : (i + 1) * window] for i in range(count)]
+
+
+def measure(llm: LLM, args: argparse.Namespace, text: str, ref: list[list[int]] | None) -> dict:
+    """The measures asked for, of one variant; greedy tokens kept under ``tokens``."""
+    row: dict = {}
+    if "ppl" in args.measures:
+        row["perplexity"] = perplexity(llm, text_windows(llm, text, args.window, args.windows))
+    if "greedy" in args.measures:
+        tokens = greedy(llm)
+        row |= agreement(tokens, tokens if ref is None else ref) | {"tokens": tokens}
+    if "mc" in args.measures:
+        row |= multiple_choice(llm, Path(__file__).parent / "lm_eval" / "facts_mc.jsonl")
+    return row
 
 
 def main() -> None:
@@ -128,6 +169,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=512, help="pool blocks at start-up")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--measures", nargs="+", default=["ppl", "greedy", "mc"], choices=["ppl", "greedy", "mc"]
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     text = "\n\n".join(p.read_text() for p in args.text)  # read once: every variant the same
@@ -135,16 +179,15 @@ def main() -> None:
     ref: list[list[int]] | None = None
     for name in args.variants:
         llm = LLM(str(artifact(args.workdir, name)), kvcache_num_blocks=args.blocks)
-        windows = text_windows(llm, text, args.window, args.windows)
-        tokens = greedy(llm)
-        ref = tokens if ref is None else ref
-        rows[name] = {"perplexity": perplexity(llm, windows), **agreement(tokens, ref)}
-        print(name, json.dumps(rows[name]), flush=True)
+        rows[name] = measure(llm, args, text, ref)
+        ref = ref if ref is not None or "tokens" not in rows[name] else rows[name]["tokens"]
+        print(name, json.dumps({k: v for k, v in rows[name].items() if k != "tokens"}), flush=True)
         del llm
         gc.collect()
     base = rows.get("bfloat16")
     for row in rows.values():
-        if base is not None:
+        row.pop("tokens", None)
+        if base is not None and "perplexity" in row:
             row["ppl_vs_bf16"] = row["perplexity"] / base["perplexity"] - 1
     result = {
         "reference": args.variants[0],
