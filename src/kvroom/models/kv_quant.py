@@ -9,7 +9,8 @@ A quantized pool is ``uint8``; each (token, entry, kv head) row of ``D`` values 
 
     x ~= q * scale,  scale = max|x| / 127 (int8) or / 7 (int4), per row (token, kv head)
 
-Symmetric, round to nearest: the error of each value is at most ``scale / 2``.
+Symmetric, round to nearest: the error of each value is at most ``scale / 2``, except where an
+int4 row's scale clips its largest values (``CLIP_RATIOS``: the scale of least squared error).
 
 **Rotation** (``KVCodec.rotation``). A normalised Walsh-Hadamard matrix ``H`` (``H = H^T =
 H^-1``) over blocks of ``n`` dims (``n`` = the largest power of two dividing ``D``, at least
@@ -96,18 +97,46 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
     return (x.float() @ h).to(x.dtype)
 
 
+CLIP_RATIOS = {8: (1.0,), 4: (1.0, 0.9, 0.8, 0.7)}
+"""Scales tried per row, as fractions of ``max|x| / qmax``: int4 keeps the one of least squared
+error (clipping a row's largest values buys finer steps for the rest)."""
+
+
 def quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Rows ``[..., D]`` -> ``uint8`` ``[..., R]`` (the layout in the module docstring)."""
     qmax = QMAX[bits]
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / qmax
-    q = torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-qmax, qmax)
+    scale = _best_scale(xf, bits)
+    q = _levels(xf, scale, qmax)
     if bits == 8:
         data = q.to(torch.int8).view(torch.uint8)
     else:
         nib = (q + 8).to(torch.uint8)
         data = nib[..., 0::2] | (nib[..., 1::2] << 4)
     return torch.cat([data, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def _levels(xf: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    return torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-qmax, qmax)
+
+
+def _best_scale(xf: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per row, of ``CLIP_RATIOS[bits] x max|x| / qmax``, the scale of least squared error."""
+    qmax = QMAX[bits]
+    full = xf.abs().amax(-1, keepdim=True) / qmax
+    ratios = CLIP_RATIOS[bits]
+    if len(ratios) == 1:
+        return full
+    best, best_err = full, None
+    for ratio in ratios:
+        scale = full * ratio
+        err = (_levels(xf, scale, qmax) * scale - xf).square_().sum(-1, keepdim=True)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best, best_err = torch.where(better, scale, best), torch.minimum(err, best_err)
+    return best
 
 
 def dequantize(rows: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -123,9 +152,11 @@ def dequantize(rows: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tenso
     return (q * scale).to(dtype)
 
 
-def error_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """The largest error round-to-nearest allows per row: ``scale / 2`` (``[..., 1]``)."""
-    return x.float().abs().amax(-1, keepdim=True) / QMAX[bits] / 2
+def error_bound(x: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """The largest error per value of ``rows = quantize(x, bits)``: half a step, or what a
+    clipped value loses beyond the largest level (``[..., D]``)."""
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return torch.maximum(scale / 2, x.float().abs() - QMAX[bits] * scale)
 
 
 def encode(kv: torch.Tensor, pool_dtype: torch.dtype, codec: KVCodec | None) -> torch.Tensor:
