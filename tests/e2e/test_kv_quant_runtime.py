@@ -86,6 +86,7 @@ def test_sliding_rings_and_k_eq_v_layers_run_quantized(
     assert llm.runtime.pool.nbytes() == llm.runtime.plan.kv_bytes
     ids = PROMPTS[0] + PROMPTS[1]  # longer than the window of 4 (gemma3) or 8 (gemma4)
     ref = _logprobs(LLM(_artifact(src, tmp_path, "float32")), ids)
-    assert 0 < (_logprobs(llm, ids) - ref).abs().max() < 0.1
+    near = {"int8": 0.05, "int4": 0.25}[kv_dtype]  # log-probabilities here are about -5.7
+    assert 0 < (_logprobs(llm, ids) - ref).abs().max() < near
     first = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == first
