@@ -140,6 +140,16 @@ FULL = [
         device_memory="2GiB",
         quantization="int8",
     ),
+    _tiny("tiny-llama-int4kv-mixed", "llama", "mixed", kv_dtype="int4", kvcache_num_blocks=10),
+    _smol(
+        "smol-int8kv-L512-bs8-decode",
+        "decode",
+        max_seq_len=512,
+        batch_size=8,
+        kv_dtype="int8",
+        device_memory="2GiB",
+        quantization="none",
+    ),
     _smol(
         "smol-fp32-L256-bs8-mixed",
         "mixed",

@@ -15,11 +15,20 @@ from typing import Any, ClassVar
 
 from kvroom.device import TARGET_PROFILES
 from kvroom.errors import ConfigError
-from kvroom.units import COMPUTE_DTYPES, cdiv, normalize_dtype, parse_bytes
+from kvroom.units import (
+    COMPUTE_DTYPES,
+    KV_DTYPES,
+    KV_QUANT_BITS,
+    cdiv,
+    normalize_dtype,
+    parse_bytes,
+)
 
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4", "int4-g128")
 """``quantization`` values besides None (the source's own format)."""
+KV_ROTATIONS = ("hadamard", "none")
+"""``kv_rotation`` values."""
 
 NumBlocksAdjuster = Callable[[int, "DecoderOnlyConfig"], int]
 
@@ -42,7 +51,11 @@ class DecoderOnlyConfig:
     dtype: str = "float32"
     """Weight and activation dtype (float32, bfloat16, float16)."""
     kv_dtype: str | None = None
-    """KV cache dtype (a dtype, or float8_e4m3fn, float8_e5m2); None = same as dtype."""
+    """KV cache dtype (a dtype, float8_e4m3fn, float8_e5m2, or int8 / int4 with a scale per
+    token and kv head); None = same as dtype."""
+    kv_rotation: str | None = None
+    """int8/int4 KV: hadamard = rotate Q, K and V by a Hadamard matrix before quantizing
+    (outliers spread over the head dim), none = off; None = hadamard with int8/int4 KV."""
     quantization: str | None = None
     """Weights: None = as the source ships them (a GGUF keeps its quantized blocks); none =
     dequantized to dtype (--dequantize); int8 = projections int8 per output channel; int4 /
@@ -69,7 +82,8 @@ class DecoderOnlyConfig:
         self._normalize_num_blocks()
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype, "dtype", COMPUTE_DTYPES))
         kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
-        object.__setattr__(self, "kv_dtype", normalize_dtype(kv_dtype, "kv_dtype"))
+        object.__setattr__(self, "kv_dtype", normalize_dtype(kv_dtype, "kv_dtype", KV_DTYPES))
+        self._normalize_kv_rotation()
         validate_device_name(self.device)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
@@ -86,6 +100,22 @@ class DecoderOnlyConfig:
             object.__setattr__(self, "kvcache_num_blocks", None)
             return
         _require_positive_int("kvcache_num_blocks", n)
+
+    def _normalize_kv_rotation(self) -> None:
+        quantized = self.kv_dtype in KV_QUANT_BITS
+        rotation = self.kv_rotation
+        if rotation is None:
+            rotation = "hadamard" if quantized else "none"
+        if rotation not in KV_ROTATIONS:
+            raise ConfigError(
+                f"kv_rotation: unknown {rotation!r}; one of {', '.join(KV_ROTATIONS)}"
+            )
+        if rotation == "hadamard" and not quantized:
+            raise ConfigError(
+                f"kv_rotation: hadamard applies to int8/int4 KV only, kv_dtype is "
+                f"{self.kv_dtype}; drop --kv-rotation or use --kv-dtype int8|int4"
+            )
+        object.__setattr__(self, "kv_rotation", rotation)
 
     def _normalize_memory_fields(self) -> None:
         reserve = parse_bytes(self.kvcache_reserve_memory, "kvcache_reserve_memory")

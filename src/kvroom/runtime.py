@@ -24,6 +24,7 @@ from kvroom.engine.sched.scheduler import Scheduler
 from kvroom.engine.structured.grammar import GrammarCompiler
 from kvroom.errors import ConfigError
 from kvroom.model_spec import ModelSpec
+from kvroom.models.kv_quant import codec_for, pool_dtype
 from kvroom.plan import MemoryPlan
 
 logger = logging.getLogger("kvroom")
@@ -129,7 +130,6 @@ def assemble_runtime(
 ) -> Runtime:
     """Allocate exactly ``plan.num_blocks`` blocks and wire the engine around a loaded model
     (``build_runtime`` without the load; the profiling pass measures the two apart)."""
-    import torch
 
     cfg = info.config
     device = device or cfg.device
@@ -144,9 +144,10 @@ def assemble_runtime(
         max_seq_len=cfg.max_seq_len,
         block_size=cfg.kvcache_block_size,
         num_sliding_slots=num_slots,
-        dtype=getattr(torch, cfg.kv_dtype or cfg.dtype),
+        dtype=pool_dtype(cfg.kv_dtype or cfg.dtype),
         device=device,
         max_num_blocks=max_num_blocks or max(plan.num_full_blocks, plan.num_blocks),
+        kv_codec=codec_for(cfg.kv_dtype or cfg.dtype, cfg.kv_rotation or "none"),
     )
     eos_ids = _eos_ids(info.folder, tokenizer)
     grammars = None if tokenizer is None else GrammarCompiler(tokenizer, spec.vocab_size, eos_ids)

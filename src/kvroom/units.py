@@ -16,6 +16,16 @@ DTYPE_BYTES: dict[str, int] = {
 }
 """Width of each supported dtype, by its torch name."""
 
+KV_QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+"""KV-only integer formats: each (token, kv head) row of K or V holds its values, symmetric
+around 0 (int8: -127..127; int4: -7..7, two per byte), then one float32 scale."""
+
+KV_SCALE_BYTES = 4
+"""The float32 scale closing each quantized (token, kv head) row."""
+
+KV_DTYPES: tuple[str, ...] = (*DTYPE_BYTES, *KV_QUANT_BITS)
+"""Everything ``kv_dtype`` accepts."""
+
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 """Dtypes weights and activations can run in; the float8 ones are KV cache dtypes only."""
 
@@ -28,6 +38,8 @@ DTYPE_ALIASES: dict[str, str] = {
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
+    "q8": "int8",
+    "q4": "int4",
 }
 
 _UNITS = {
@@ -85,6 +97,20 @@ def format_bytes(num_bytes: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of one (token, kv head) row of K or V: ``head_dim x width``; int8:
+    ``head_dim + 4``, int4: ``head_dim / 2 + 4`` (values, then the float32 scale)."""
+    bits = KV_QUANT_BITS.get(kv_dtype)
+    if bits is None:
+        return head_dim * DTYPE_BYTES[kv_dtype]
+    return cdiv(head_dim * bits, 8) + KV_SCALE_BYTES
+
+
+def kv_scale_row_bytes(kv_dtype: str) -> int:
+    """Of ``kv_row_bytes``, the bytes of the scale: 4 for int8/int4, else 0."""
+    return KV_SCALE_BYTES if kv_dtype in KV_QUANT_BITS else 0
 
 
 def mib(num_bytes: int | float) -> str:

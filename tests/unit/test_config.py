@@ -136,8 +136,23 @@ def test_float8_holds_kv_only(value: str) -> None:
 
 
 def test_unknown_kv_dtype() -> None:
-    with pytest.raises(ConfigError, match=r"^kv_dtype: unknown dtype 'int8'; supported: float32, "):
-        DecoderOnlyConfig(kv_dtype="int8")
+    with pytest.raises(ConfigError, match=r"^kv_dtype: unknown dtype 'int3'; supported: float32, "):
+        DecoderOnlyConfig(kv_dtype="int3")
+
+
+@pytest.mark.parametrize(("kv_dtype", "rotation"), [("int8", "hadamard"), ("q4", "hadamard")])
+def test_quantized_kv_is_rotated_by_default(kv_dtype: str, rotation: str) -> None:
+    cfg = DecoderOnlyConfig(kv_dtype=kv_dtype)
+    assert cfg.kv_dtype in ("int8", "int4") and cfg.kv_rotation == rotation
+    assert DecoderOnlyConfig(kv_dtype=kv_dtype, kv_rotation="none").kv_rotation == "none"
+    assert DecoderOnlyConfig(dtype="bf16").kv_rotation == "none"
+
+
+def test_kv_rotation_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"^kv_rotation: unknown 'walsh'; one of hadamard, none$"):
+        DecoderOnlyConfig(kv_dtype="int8", kv_rotation="walsh")
+    with pytest.raises(ConfigError, match=r"^kv_rotation: hadamard applies to int8/int4 KV only"):
+        DecoderOnlyConfig(kv_rotation="hadamard")
 
 
 @pytest.mark.parametrize("device", ["tpu", "CUDA", "cuda:x", "cuda:", "cuda:-1", "", "cpu:"])
@@ -216,6 +231,7 @@ def test_to_dict_is_every_field_but_the_adjuster(make_config) -> None:
         "max_num_batched_tokens": 16,
         "dtype": "float32",
         "kv_dtype": "float32",
+        "kv_rotation": "none",
         "quantization": None,
         "device": "cpu",
         "device_memory": None,
@@ -308,7 +324,7 @@ def test_subclass_to_dict_excludes_both_callables() -> None:
     assert "kvcache_num_blocks_adjuster" not in data
     assert "load_visual_runtime" not in data
     assert data["image_size"] == 336
-    assert len(data) == 14  # the 13 saved base fields + image_size
+    assert len(data) == 15  # the 14 saved base fields + image_size
     json.dumps(data)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from gguf_models import random_blocks
 from kernel_cases import decode_case, glu_close, prefill_case, prefill_reference, product_bound
-from kvroom.models import attention
+from kvroom.models import attention, kv_quant
 from kvroom.models.kernels import build, cpu_flags, ops
 from kvroom.models.layers import rms_norm
 from kvroom.models.quant.gguf_repack import repack
@@ -110,6 +110,47 @@ def test_prefill_attention(level_lib, dtype, kv_dtype, atol, heads, kv_heads, d)
     assert got is not None
     want = prefill_reference(q, cache, tables, chunks, d**-0.5)
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
+
+
+QUANT_KV = [  # (query dtype, bits, atol): the reference is float32 over the dequantized K/V
+    (torch.float32, 8, 1e-5),
+    (torch.float32, 4, 1e-5),
+    (torch.bfloat16, 8, 2e-2),
+    (torch.bfloat16, 4, 2e-2),
+]
+
+
+def _quantized(cache: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float pool as int8/int4 rows, and those rows dequantized (the reference's pool)."""
+    rows = kv_quant.quantize(cache.float(), bits)
+    return rows, kv_quant.dequantize(rows, bits, torch.float32)
+
+
+@pytest.mark.parametrize(("dtype", "bits", "atol"), QUANT_KV)
+@pytest.mark.parametrize(("d", "softcap"), [(16, None), (64, None), (64, 5.0), (128, None)])
+def test_decode_attention_over_int_kv(level_lib, dtype, bits, atol, d, softcap) -> None:
+    q, cache, group, lens = decode_case(torch.float32, torch.float32, 6, 2, [1, 7, 16, 13, 40], d)
+    q = q if dtype == torch.float32 else q.to(dtype)
+    rows, values = _quantized(cache * 3, bits)
+    want = attention._decode(q.float(), values, group, d**-0.5, softcap)
+    got = ops.decode_attention_q(q, rows, bits, group.kv_index, lens, d**-0.5, softcap, level_lib)
+    assert got is not None and got.dtype == dtype
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16 output: rounded once
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(("dtype", "bits", "atol"), QUANT_KV)
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (7, 1, 32)])
+def test_prefill_attention_over_int_kv(level_lib, dtype, bits, atol, heads, kv_heads, d) -> None:
+    chunks = [(0, 37), (50, 19), (3, 2), (96, 33)]
+    q, cache, tables, chunks = prefill_case(dtype, torch.float32, heads, kv_heads, d, chunks)
+    rows, values = _quantized(cache * 3, bits)
+    starts, q_lens = torch.tensor([s for s, _ in chunks]), torch.tensor([n for _, n in chunks])
+    got = ops.prefill_attention_q(q, rows, bits, tables, starts, q_lens, d**-0.5, lib=level_lib)
+    assert got is not None
+    want = prefill_reference(q.float(), values, tables, chunks, d**-0.5)
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16 output: rounded once
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

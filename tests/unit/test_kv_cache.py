@@ -10,6 +10,8 @@ import torch
 from kvroom.engine.kv.pool import KVCachePool
 from kvroom.errors import ConfigError
 from kvroom.model_spec import ModelSpec
+from kvroom.models.kv_quant import KVCodec
+from kvroom.plan.kv import kv_bytes_per_block, kv_scale_bytes_per_block, sliding_window_bytes
 
 
 def _spec(layer_types: tuple[str, ...], window: int | None = 8) -> ModelSpec:
@@ -46,6 +48,20 @@ def test_hybrid_nbytes_is_the_formula() -> None:
 
 def test_bf16_halves_the_bytes() -> None:
     assert _pool(_spec(HYBRID), dtype=torch.bfloat16).nbytes() == (1280 + 3072) // 2
+
+
+@pytest.mark.parametrize(("kv_dtype", "row_bytes"), [("int8", 4 + 4), ("int4", 2 + 4)])
+def test_a_quantized_pool_allocates_what_the_plan_counts(kv_dtype: str, row_bytes: int) -> None:
+    """Rows of 4 dims: int8 4 values + a 4-byte scale, int4 2 bytes + the scale."""
+    spec = _spec(HYBRID)
+    pool = _pool(spec, kv_codec=KVCodec(8 if kv_dtype == "int8" else 4, False))
+    assert pool.layers[1].dtype == torch.uint8 and pool.layers[1].shape[-1] == row_bytes
+    shape = dict(max_seq_len=32, kv_dtype=kv_dtype, tensor_parallel_size=1)
+    per_block = kv_bytes_per_block(spec, block_size=4, **shape)
+    assert per_block == pool.bytes_per_block == 1 * 4 * 2 * 2 * row_bytes
+    assert kv_scale_bytes_per_block(spec, block_size=4, **shape) == 1 * 4 * 2 * 2 * 4
+    rings = sliding_window_bytes(spec, batch_size=3, **shape)
+    assert pool.nbytes() == 5 * per_block + rings == 5 * per_block + 2 * 3 * 8 * 2 * 2 * row_bytes
 
 
 def test_window_covering_max_seq_len_is_stored_as_full() -> None:
@@ -164,9 +180,9 @@ def test_resize_keeps_the_layer_objects_and_the_kept_contents(device: str, backe
 
 
 @pytest.mark.parametrize(("device", "backend"), BACKENDS)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(("seed", "codec"), [(0, None), (1, None), (2, KVCodec(8, True))])
 def test_every_live_sequence_keeps_its_kv_bytes_through_a_migration(
-    device: str, backend: str, seed: int
+    device: str, backend: str, seed: int, codec: KVCodec | None
 ) -> None:
     """Random sequences on a 64-block pool, random frees, a shrink to 20: the block manager
     plans the moves, the pool copies them; each survivor's K/V, read through its new table,
@@ -174,14 +190,17 @@ def test_every_live_sequence_keeps_its_kv_bytes_through_a_migration(
     from kvroom.engine.kv.block_manager import BlockManager
 
     gen = torch.Generator().manual_seed(seed)
-    pool = _resizable(device, backend, num_blocks=64)
+    pool = _resizable(device, backend, num_blocks=64, kv_codec=codec)
     bm = BlockManager(64, 4)
     written: dict[int, torch.Tensor] = {}
     for seq_id in range(12):
         n = int(torch.randint(1, 7, (1,), generator=gen))
         table = bm.allocate(seq_id, 4 * n)
         assert table is not None
-        kv = torch.randn(n, *pool.layers[1].shape[1:], generator=gen).to(device)
+        kv = torch.randn(n, *pool.layers[1].shape[1:], generator=gen)
+        if codec is not None:  # int8 rows: values and scale, every byte
+            kv = torch.randint(0, 256, kv.shape, generator=gen, dtype=torch.uint8)
+        kv = kv.to(device)
         pool.layers[1][list(table)] = kv
         written[seq_id] = kv
     for seq_id in torch.randperm(12, generator=gen)[:7].tolist():

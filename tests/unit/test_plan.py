@@ -580,3 +580,33 @@ def test_quantized_weights_count_their_bytes_as_loaded(make_spec, make_config) -
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     table = plan_table(plan)
     assert "    int4 (Q4_1)" in table and "weights (as loaded)" in terms_table(plan)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "values", "scales"),
+    [("int8", "256 B", "128 B"), ("int4", "128 B", "128 B")],
+)
+def test_plan_table_splits_a_quantized_block_into_values_and_scales(
+    make_spec, make_config, kv_dtype: str, values: str, scales: str
+) -> None:
+    """2 layers x 4 tokens x 2 (K, V) x 2 kv heads = 32 rows of 8 dims per block:
+    int8 32 x 8 B, int4 32 x 4 B of values, and 32 x 4 B of float32 scales."""
+    cfg = make_config(kv_dtype=kv_dtype)
+    plan = compute_plan(make_spec(), cfg, num_parameters=10, memory=DeviceMemory(2**20, "x"))
+    rows = _rows(plan_table(plan))
+    assert rows[f"    {kv_dtype} K/V values"] == values
+    assert rows["    float32 scales (per token, kv head)"] == scales
+    assert plan.kv_scale_bytes_per_block == 32 * 4
+    assert plan.kv_bytes_per_block == 32 * (8 * (8 if kv_dtype == "int8" else 4) // 8 + 4)
+
+
+def test_quantized_kv_fits_about_2x_and_3_5x_the_bf16_blocks(smollm2, make_config) -> None:
+    """SmolLM2 (head_dim 64) in 1 GiB: a block costs 128 B per row in bf16, 68 B in int8 and
+    36 B in int4, and the budget left after weights and buffers is divided by it."""
+    fits = {}
+    for kv_dtype in ("bfloat16", "int8", "int4"):
+        cfg = make_config(dtype="bfloat16", kv_dtype=kv_dtype, max_seq_len=2048, batch_size=8)
+        memory = DeviceMemory(2**30, "explicit")
+        fits[kv_dtype] = compute_plan(smollm2, cfg, num_parameters=0, memory=memory).num_fit_blocks
+    assert 1.88 <= fits["int8"] / fits["bfloat16"] < 2.1
+    assert 3.5 <= fits["int4"] / fits["bfloat16"] < 4.0

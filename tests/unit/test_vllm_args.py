@@ -210,6 +210,10 @@ def test_kv_dtype_without_vllm_equivalent(tmp_path, make_spec, make_config) -> N
     art = write_artifact(tmp_path / "bf16kv", make_spec(), cfg, num_parameters=10_000)
     with pytest.raises(ConfigError, match="^kv_dtype: vLLM keeps KV in the model dtype or fp8"):
         engine_args(art)
+    cfg_int8 = make_config(max_seq_len=256, kvcache_block_size=16, kv_dtype="int8")
+    art_int8 = write_artifact(tmp_path / "int8", make_spec(), cfg_int8, num_parameters=10_000)
+    with pytest.raises(ConfigError, match="^kv_dtype: vLLM's CPU backend has no int8 KV cache"):
+        engine_args(art_int8)
     cfg8 = make_config(max_seq_len=256, kvcache_block_size=16, kv_dtype="fp8")
     art8 = write_artifact(tmp_path / "fp8kv", make_spec(), cfg8, num_parameters=10_000)
     assert engine_args(art8, device="cuda")["kv_cache_dtype"] == "fp8_e4m3"

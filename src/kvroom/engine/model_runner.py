@@ -98,6 +98,7 @@ class ModelRunner:
             sliding_window=self.pool.sliding_window,
             dtype=self.model.dtype,
             device=self.device,
+            kv_codec=self.pool.kv_codec,
         )
         extra = {}
         if any(s.multimodal is not None for s in seqs):

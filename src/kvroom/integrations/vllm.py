@@ -23,7 +23,7 @@ from kvroom.artifact.layout import GGUF_WEIGHTS, ArtifactInfo
 from kvroom.artifact.resize import startup_plan
 from kvroom.errors import ArtifactError, ConfigError
 from kvroom.plan import MemoryPlan
-from kvroom.units import cdiv
+from kvroom.units import KV_QUANT_BITS, cdiv
 
 POOLS: tuple[str, ...] = ("blocks", "bytes")
 CPU_BLOCK_SIZE = 128  # vLLM's block size on its CPU backend when none is given
@@ -216,6 +216,11 @@ def kv_cache_dtype(dtype: str, kv_dtype: str) -> str:
         return "auto"
     if kv_dtype in KV_CACHE_DTYPES:
         return KV_CACHE_DTYPES[kv_dtype]
+    if kv_dtype in KV_QUANT_BITS:
+        raise ConfigError(
+            f"kv_dtype: vLLM's CPU backend has no {kv_dtype} KV cache (its per-token-head int8/"
+            "int4 KV is GPU-only); rebuild with --kv-dtype fp8 or the model dtype to hand off"
+        )
     raise ConfigError(
         f"kv_dtype: vLLM keeps KV in the model dtype or fp8; kv_dtype {kv_dtype} with dtype "
         f"{dtype} has no vLLM equivalent; rebuild with kv_dtype equal to dtype"

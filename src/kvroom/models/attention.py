@@ -39,8 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvroom.models import kv_quant
 from kvroom.models.kernels import cpu_kernels
 from kvroom.models.kernels import ops as native
+from kvroom.models.kv_quant import KVCodec
 from kvroom.models.layers import softcap_
 
 
@@ -141,6 +143,8 @@ class KindBatch:
     """Full: flat slot of every row ``[T]``. Sliding: flat ring entry of every decode row."""
     decode: DecodeGroup | None
     prefill: PrefillGroup | None
+    kv_codec: KVCodec | None = None
+    """int8/int4 pool: how its rows are encoded (and whether Q/K/V are rotated); None: floats."""
 
 
 @dataclass(frozen=True)
@@ -165,25 +169,30 @@ def paged_attention(
     Args:
         q: ``[T, heads, head_dim]`` rotated queries (a view of the qkv projection).
         kv: ``[T, 2, kv_heads, head_dim]`` rotated keys and values (a view as well).
-        cache: this layer's pool tensor, ``[units, unit_len, 2, kv_heads, head_dim]``.
+        cache: this layer's pool tensor, ``[units, unit_len, 2, kv_heads, head_dim]`` (an
+            int8/int4 pool: ``uint8`` rows of ``kv_quant.KVCodec.row_bytes`` instead).
         batch: the step's metadata for this layer's kind.
         scale: score scale (``head_dim ** -0.5``, or gemma's ``query_pre_attn_scalar ** -0.5``).
         softcap: gemma2-style attention logit soft-capping, None when off.
     """
+    codec = batch.kv_codec
+    h = None if codec is None else codec.rotation(q.shape[-1], q.device)
+    q, kv = kv_quant.rotate(q, h), kv_quant.rotate(kv, h)
     flat = cache.view(-1, *cache.shape[2:])
     td = batch.decode.num_seqs if batch.decode is not None else 0
-    _store(flat, batch.write_index, kv[:td] if batch.sliding else kv)
+    _store(flat, batch.write_index, kv[:td] if batch.sliding else kv, codec)
     parts = []
     if batch.decode is not None:
-        parts.append(_decode(q[:td], cache, batch.decode, scale, softcap))
+        parts.append(_decode(q[:td], cache, batch.decode, scale, softcap, codec))
     if batch.prefill is not None:
         pre = batch.prefill
         if batch.sliding:
-            parts.append(_prefill_sliding(q[td:], kv, flat, pre, scale, softcap))
-            _store(flat, pre.write_dst, kv.index_select(0, pre.write_src))
+            parts.append(_prefill_sliding(q[td:], kv, flat, pre, scale, softcap, codec))
+            _store(flat, pre.write_dst, kv.index_select(0, pre.write_src), codec)
         else:
-            parts.append(_prefill_full(q[td:], kv, cache, pre, scale, softcap))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts.append(_prefill_full(q[td:], kv, cache, pre, scale, softcap, codec))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out if h is None else kv_quant.rotate(out.view(q.shape), h).view(out.shape)
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -191,49 +200,66 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
-def _store(flat: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
-    """``flat[index] = kv``, rounding to the pool dtype when the KV dtype is narrower."""
-    kv = kv.to(flat.dtype)
+def _store(
+    flat: torch.Tensor, index: torch.Tensor, kv: torch.Tensor, codec: KVCodec | None
+) -> None:
+    """``flat[index] = kv``, rounded (or quantized) to the pool's format."""
+    kv = kv_quant.encode(kv, flat.dtype, codec)
     _bytes_view(flat).index_copy_(0, index, _bytes_view(kv))
 
 
-def _select(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _select(
+    cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, codec: KVCodec | None
+) -> torch.Tensor:
     """``cache[index]`` for ``index`` ``[B, n]`` -> ``[B, n * unit_len, *entry]`` in ``dtype``."""
     rows = _bytes_view(cache).index_select(0, index.view(-1)).view(cache.dtype)
-    return rows.view(index.shape[0], -1, *cache.shape[2:]).to(dtype)
+    return kv_quant.decode(rows.view(index.shape[0], -1, *cache.shape[2:]), dtype, codec)
 
 
 def _native_decode(
-    q: torch.Tensor, cache: torch.Tensor, g: DecodeGroup, scale: float, softcap: float | None
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    g: DecodeGroup,
+    scale: float,
+    softcap: float | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor | None:
     """The decode kernel where it has its vector path (head dim 64/128/256). Else,
     without a softcap, the tiled prefill kernel with one query row per sequence, faster than
     the decode kernel's scalar path (8 sequences x 1,500 keys, bf16: 1.38 against 5.52 ms); the
-    decode kernel serves the rest. None: neither applies."""
+    decode kernel serves the rest. An int8/int4 pool: its own kernel (head dims of 16k),
+    dequantizing in registers. None: none applies."""
+    assert g.lens is not None
+    if codec is not None:
+        return native.decode_attention_q(q, cache, codec.bits, g.kv_index, g.lens, scale, softcap)
     fast = native.decode_vectorized(q.shape[2])
     if not fast and not softcap and g.last_pos is not None and g.one_row is not None:
         out = native.prefill_attention(q, cache, g.kv_index, g.last_pos, g.one_row, scale)
         if out is not None:
             return out
-    assert g.lens is not None
     return native.decode_attention(q, cache, g.kv_index, g.lens, scale, softcap)
 
 
 def _decode(
-    q: torch.Tensor, cache: torch.Tensor, g: DecodeGroup, scale: float, softcap: float | None
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    g: DecodeGroup,
+    scale: float,
+    softcap: float | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """One query per sequence. The query heads sharing a KV head become that head's "query
     positions" (``[B, kv_heads, group, D]``), so GQA needs neither ``repeat_kv`` nor a copy."""
     b, h, d = q.shape
     if g.lens is not None:
-        out = _native_decode(q, cache, g, scale, softcap)
+        out = _native_decode(q, cache, g, scale, softcap, codec)
         if out is not None:
             return out
     if g.kv_start is None:
-        keys = _select(cache, g.kv_index, q.dtype)[:, : g.kv_len]
+        keys = _select(cache, g.kv_index, q.dtype, codec)[:, : g.kv_len]
     else:
         run = cache[g.kv_start : g.kv_start + g.kv_index.shape[1]]
-        keys = run.view(1, -1, *cache.shape[2:])[:, : g.kv_len].to(q.dtype)
+        keys = kv_quant.decode(run.view(1, -1, *cache.shape[2:])[:, : g.kv_len], q.dtype, codec)
     kvh = keys.shape[3]
     q = q.view(b, kvh, h // kvh, d)
     if q.device.type == "cpu" and b * kvh <= _SERIAL_MAX_HEADS:
@@ -274,20 +300,27 @@ def _prefill_full(
     g: PrefillGroup,
     scale: float,
     softcap: float | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """Full-attention chunks, whose K/V are stored already: the native kernel reading every
     key in place from the pool (no gather, no mask tensor) where it is the faster
     (``_native_prefill``), else SDPA: fresh chunks over the step's own K/V under the causal
     mask, chunks with cached context over their gathered blocks (``_prefill_chunks``)."""
     in_place = g.starts is not None and g.q_lens is not None and softcap is None
-    if in_place and _native_prefill(q, g):
+    if in_place and codec is not None and not g.fresh:
+        out = native.prefill_attention_q(
+            q, cache, codec.bits, g.kv_index, g.starts, g.q_lens, scale
+        )
+        if out is not None:
+            return out
+    elif in_place and _native_prefill(q, g):
         out = native.prefill_attention(q, cache, g.kv_index, g.starts, g.q_lens, scale)
         if out is not None:
             return out
     if g.fresh:
-        keys = _per_seq(_as_stored(kv[g.row_start :], cache.dtype), g)
+        keys = _per_seq(kv_quant.as_stored(kv[g.row_start :], cache.dtype, codec), g)
         return _prefill(q, keys, g, scale, softcap)
-    return _prefill_chunks(q, cache, g.chunks, scale, softcap)
+    return _prefill_chunks(q, cache, g.chunks, scale, softcap, codec)
 
 
 NATIVE_MAX_CHUNK_SCORES = 128 * 256
@@ -334,12 +367,13 @@ def _prefill_chunks(
     chunks: tuple[PrefillChunk, ...],
     scale: float,
     softcap: float | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """Each chunk over its gathered blocks (its own K/V are stored already), under its mask;
     on CPU a chunk with cached context is attended in two parts instead (``_attend_split``)."""
     outs = []
     for c in chunks:
-        keys = _select(cache, c.kv_index, q.dtype)[:, : c.kv_len]
+        keys = _select(cache, c.kv_index, q.dtype, codec)[:, : c.kv_len]
         qc = q[c.row_start : c.row_start + c.q_len].unsqueeze(0).transpose(1, 2)
         if _split_applies(qc, c, softcap):
             out = _attend_split(qc, keys, c.start_pos, scale)
@@ -401,29 +435,25 @@ def _prefill_sliding(
     g: PrefillGroup,
     scale: float,
     softcap: float | None,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
     """Per chunk, keys = its old ring entries + its own K/V, read before the chunk is stored.
 
     The chunk's own K/V are rounded to the pool dtype as if they had been stored, so a prompt
     gives the same logits however it is chunked.
     """
-    own = _as_stored(kv[g.row_start :], flat.dtype)
+    own = kv_quant.as_stored(kv[g.row_start :], flat.dtype, codec)
     outs = []
     for c in g.chunks:
         rows = slice(c.row_start, c.row_start + c.q_len)
         keys = own[rows].unsqueeze(0)
         if c.kv_index is not None:
-            keys = torch.cat([_select(flat.unsqueeze(1), c.kv_index, kv.dtype), keys], dim=1)
+            old = _select(flat.unsqueeze(1), c.kv_index, kv.dtype, codec)
+            keys = torch.cat([old, keys], dim=1)
         qc = q[rows].unsqueeze(0).transpose(1, 2)
         out = _attend(qc, keys, c.mask(q.dtype), scale, softcap)
         outs.append(out.transpose(1, 2).reshape(c.q_len, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _as_stored(kv: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
-    """The step's own K/V rounded to the pool dtype as if they had been stored, so a prompt
-    gives the same logits whether its keys come from the step or from the pool."""
-    return kv if pool_dtype == kv.dtype else kv.to(pool_dtype).to(kv.dtype)
 
 
 def _per_seq(rows: torch.Tensor, g: PrefillGroup) -> torch.Tensor:

@@ -8,6 +8,7 @@ the layer loop only consumes them. The storage layout the indices address is dra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -19,6 +20,7 @@ from kvroom.models.attention import (
     PrefillChunk,
     PrefillGroup,
 )
+from kvroom.models.kv_quant import KVCodec
 
 
 class SeqChunk(NamedTuple):
@@ -42,6 +44,7 @@ def build_attention_metadata(
     sliding_window: int | None,
     dtype: torch.dtype,
     device: torch.device | str,
+    kv_codec: KVCodec | None = None,
 ) -> AttentionMetadata:
     """Index tensors and masks of one step, for rows packed in the order of ``chunks``.
 
@@ -52,6 +55,7 @@ def build_attention_metadata(
         sliding_window: window ``W`` of the sliding layers (needed when any layer slides).
         dtype: dtype of the additive masks (the model's dtype).
         device: where the tensors go.
+        kv_codec: the pool's int8/int4 encoding (``KindBatch.kv_codec``); None for float KV.
     """
     num_decode = next((i for i, c in enumerate(chunks) if c.q_len > 1), len(chunks))
     assert all(c.q_len > 1 for c in chunks[num_decode:]), "decodes must come first"
@@ -66,7 +70,7 @@ def build_attention_metadata(
         assert sliding_window is not None, "sliding layers need a window"
         assert all(c.sliding_slot is not None for c in chunks), "sliding layers need a slot"
         by_kind["sliding"] = builder.sliding(sliding_window)
-    by_kind = {k: _to_device(v, device) for k, v in by_kind.items()}
+    by_kind = {k: replace(_to_device(v, device), kv_codec=kv_codec) for k, v in by_kind.items()}
     return AttentionMetadata(
         num_tokens=builder.num_tokens, layers=tuple(by_kind[k] for k in layer_kinds)
     )

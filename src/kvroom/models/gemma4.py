@@ -274,5 +274,5 @@ class Gemma4Model(DecoderModel):
             layer(h, cis[layer.rope_kind], cache, batch, ple, step)
         for cache, batch, kv in step.deferred:
             assert batch.prefill is not None
-            store_ring_write(cache, batch.prefill, kv)
+            store_ring_write(cache, batch.prefill, kv, batch.kv_codec)
         return h

@@ -14,6 +14,10 @@ attend, so the consumer gathers the same keys. A sliding layer stores a prefill 
 rows only after attending (they may overwrite old ring entries the chunk still needs), so a
 source with consumers defers that write until the consumers have run (``without_ring_write``,
 ``store_ring_write``).
+
+**int8/int4 pools** (``kv_quant``): V of a K=V layer is quantized unrotated (its keys are
+rebuilt from it through RoPE, which a rotation would break); a deferred ring write is rotated
+as ``paged_attention`` rotates the rows it stores.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from kvroom.models import kv_quant
 from kvroom.models.attention import KindBatch, PrefillChunk, PrefillGroup
+from kvroom.models.kv_quant import KVCodec
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -32,9 +38,12 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
-def store_rows(flat: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """``flat[index] = rows``, rounded to the pool dtype."""
-    _bytes_view(flat).index_copy_(0, index, _bytes_view(rows.to(flat.dtype)))
+def store_rows(
+    flat: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, codec: KVCodec | None = None
+) -> None:
+    """``flat[index] = rows``, rounded (or quantized) to the pool's format."""
+    stored = kv_quant.encode(rows, flat.dtype, codec)
+    _bytes_view(flat).index_copy_(0, index, _bytes_view(stored))
 
 
 def without_ring_write(batch: KindBatch) -> KindBatch:
@@ -46,11 +55,15 @@ def without_ring_write(batch: KindBatch) -> KindBatch:
     return replace(batch, prefill=replace(pre, write_src=empty, write_dst=empty))
 
 
-def store_ring_write(cache: torch.Tensor, pre: PrefillGroup, kv: torch.Tensor) -> None:
+def store_ring_write(
+    cache: torch.Tensor, pre: PrefillGroup, kv: torch.Tensor, codec: KVCodec | None = None
+) -> None:
     """The sliding prefill write ``without_ring_write`` removed, done now."""
     assert pre.write_src is not None and pre.write_dst is not None
     flat = cache.view(-1, *cache.shape[2:])
-    store_rows(flat, pre.write_dst, kv.index_select(0, pre.write_src))
+    rows = kv.index_select(0, pre.write_src)
+    h = None if codec is None else codec.rotation(rows.shape[-1], rows.device)
+    store_rows(flat, pre.write_dst, kv_quant.rotate(rows, h), codec)
 
 
 def rebuild_keys(values: torch.Tensor, k_weight: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
@@ -61,10 +74,12 @@ def rebuild_keys(values: torch.Tensor, k_weight: torch.Tensor, cis: torch.Tensor
     return torch.view_as_real(rotated).view(b, n, h, d).to(values.dtype)
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, codec: KVCodec | None
+) -> torch.Tensor:
     """V of blocks ``index`` ``[B, n]`` -> ``[B, n * block_size, kvh, D]`` in ``dtype``."""
     rows = _bytes_view(cache).index_select(0, index.view(-1)).view(cache.dtype)
-    return rows.view(index.shape[0], -1, *cache.shape[3:]).to(dtype)
+    return kv_quant.decode(rows.view(index.shape[0], -1, *cache.shape[3:]), dtype, codec)
 
 
 def k_eq_v_attention(
@@ -92,16 +107,18 @@ def k_eq_v_attention(
     """
     assert not batch.sliding, "K=V layers are full-attention layers"
     if v is not None:
-        store_rows(cache.view(-1, *cache.shape[2:]), batch.write_index, v.unsqueeze(1))
+        flat = cache.view(-1, *cache.shape[2:])
+        store_rows(flat, batch.write_index, v.unsqueeze(1), batch.kv_codec)
     parts = []
     td = batch.decode.num_seqs if batch.decode is not None else 0
     if batch.decode is not None:
         g = batch.decode
-        values = _gather(cache, g.kv_index, q.dtype)[:, : g.kv_len]
+        values = _gather(cache, g.kv_index, q.dtype, batch.kv_codec)[:, : g.kv_len]
         cis = key_cis(values.shape[1])
         parts.append(_attend_decode(q[:td], values, k_weight, cis, g.mask, scale))
     if batch.prefill is not None:
-        parts.append(_attend_prefill(q[td:], cache, batch.prefill, k_weight, key_cis, scale))
+        pre = batch.prefill
+        parts.append(_attend_prefill(q[td:], cache, pre, k_weight, key_cis, scale, batch.kv_codec))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -130,14 +147,15 @@ def _attend_prefill(
     k_weight: torch.Tensor,
     key_cis: Callable[[int], torch.Tensor],
     scale: float,
+    codec: KVCodec | None,
 ) -> torch.Tensor:
     """Equally long fresh chunks, viewed ``[B, max_q_len]``, against their gathered blocks in
     one SDPA call; chunk by chunk (``g.chunks``) otherwise."""
     if g.chunks:
-        return _attend_chunks(q, cache, g.chunks, k_weight, key_cis, scale)
+        return _attend_chunks(q, cache, g.chunks, k_weight, key_cis, scale, codec)
     _, h, d = q.shape
     assert g.kv_index is not None
-    values = _gather(cache, g.kv_index, q.dtype)
+    values = _gather(cache, g.kv_index, q.dtype, codec)
     cis = key_cis(values.shape[1])
     q_rows = q.view(g.num_seqs, g.max_q_len, h, d)  # equally long fresh chunks
     k = rebuild_keys(values, k_weight, cis).transpose(1, 2)
@@ -159,13 +177,14 @@ def _attend_chunks(
     k_weight: torch.Tensor,
     key_cis: Callable[[int], torch.Tensor],
     scale: float,
+    codec: KVCodec | None,
 ) -> torch.Tensor:
     """Each chunk against its own gathered blocks: top-left causal at position 0, its
     causal mask over the cached positions otherwise."""
     h = q.shape[1]
     outs = []
     for c in chunks:
-        values = _gather(cache, c.kv_index, q.dtype)[:, : c.kv_len]
+        values = _gather(cache, c.kv_index, q.dtype, codec)[:, : c.kv_len]
         k = rebuild_keys(values, k_weight, key_cis(c.kv_len)).transpose(1, 2)
         qc = q[c.row_start : c.row_start + c.q_len].unsqueeze(0).transpose(1, 2)
         out = F.scaled_dot_product_attention(

@@ -6,7 +6,8 @@ dtype bytes and ``k`` = KV dtype bytes, per rank (heads divided by tp)::
 
     activations = a x T x (4 x hidden + q_dim + 2 x kv_dim + 3 x intermediate)
                    residual, norm, attn out, mlp out | qkv | gate, up, act(gate) x up
-    kv_gather   = k x S x L x 2 x kv_dim          (decode reads K/V of every running sequence)
+    kv_gather   = k x S x L x 2 x kv_dim          (decode reads K/V of every running sequence;
+                                                int8/int4: k = row bytes / head_dim)
     scores      = 4 x heads x min(T, L) x L       (fp32 attention scores of the largest chunk)
     logits      = 4 x S x vocab x 3               (fp32 logits, probabilities, sort buffer)
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from kvroom.model_spec import ModelSpec
 from kvroom.plan.kv import kv_heads_per_rank
-from kvroom.units import DTYPE_BYTES, cdiv
+from kvroom.units import DTYPE_BYTES, cdiv, kv_row_bytes
 
 
 def runtime_buffer_bytes(
@@ -40,7 +41,8 @@ def runtime_buffer_bytes(
     intermediate = cdiv(spec.intermediate_size, tensor_parallel_size)
     per_token = 4 * spec.hidden_size + q_dim + 2 * kv_dim + 3 * intermediate
     activations = DTYPE_BYTES[dtype] * tokens * per_token
-    kv_gather = DTYPE_BYTES[kv_dtype] * batch_size * max_seq_len * 2 * kv_dim
+    kv_rows = batch_size * max_seq_len * 2 * kv_dim // spec.head_dim
+    kv_gather = kv_rows * kv_row_bytes(kv_dtype, spec.head_dim)
     scores = 4 * heads * min(tokens, max_seq_len) * max_seq_len
     logits = 4 * batch_size * spec.vocab_size * 3
     return activations + kv_gather + scores + logits

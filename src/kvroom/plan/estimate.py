@@ -29,7 +29,12 @@ from kvroom.config import DecoderOnlyConfig
 from kvroom.device import DeviceMemory
 from kvroom.model_spec import ModelSpec
 from kvroom.plan.buffers import runtime_buffer_bytes
-from kvroom.plan.kv import describe_kv_groups, kv_bytes_per_block, sliding_window_bytes
+from kvroom.plan.kv import (
+    describe_kv_groups,
+    kv_bytes_per_block,
+    kv_scale_bytes_per_block,
+    sliding_window_bytes,
+)
 from kvroom.plan.measured import MeasuredTerms
 from kvroom.plan.weights import weight_bytes
 from kvroom.units import mib
@@ -79,6 +84,9 @@ class MemoryPlan:
     weight_types: tuple[tuple[str, int], ...] = ()
     """``(kind, bytes)`` per kind of tensor as loaded (``int4 (Q4_1)``, ``float32``...), summing
     to ``weight_bytes`` x tp; empty when every weight is in the model dtype."""
+    kv_scale_bytes_per_block: int = 0
+    """Of ``kv_bytes_per_block``, the int8/int4 scales (one float32 per token, kv head, K or V);
+    0 for float KV."""
     kv_groups: tuple[str, ...] = ()
     """One line per KV pool tensor (``plan.kv.describe_kv_groups``), e.g. ``2 full-attention
     layers, K=V, 1 KV head x 512 dims; 4 layers share earlier KV``."""
@@ -291,6 +299,9 @@ def compute_plan(
         measured_runtime_bytes=measured_runtime_bytes,
         sliding_window_bytes=sliding_window_bytes(spec, batch_size=cfg.batch_size, **shape),
         kv_bytes_per_block=kv_bytes_per_block(spec, block_size=cfg.kvcache_block_size, **shape),
+        kv_scale_bytes_per_block=kv_scale_bytes_per_block(
+            spec, block_size=cfg.kvcache_block_size, **shape
+        ),
         kvcache_block_size=cfg.kvcache_block_size,
         max_seq_len=cfg.max_seq_len,
         batch_size=cfg.batch_size,

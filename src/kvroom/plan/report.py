@@ -56,6 +56,7 @@ def plan_table(plan: MemoryPlan) -> str:
     if plan.image_tokens:
         rows.append((f"tokens per image ({plan.image_limit})", str(plan.image_tokens)))
     rows += _kv_group_rows(plan)
+    rows = _with_scale_rows(rows, plan)
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value:>14}" for label, value in rows]
     if plan.tensor_parallel_size > 1:
@@ -67,6 +68,20 @@ def _weight_type_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
     """One row per kind of weight tensor as loaded, when they are not all in the model dtype."""
     tp = plan.tensor_parallel_size
     return [(f"    {kind}", format_bytes(-(-size // tp))) for kind, size in plan.weight_types]
+
+
+def _with_scale_rows(rows: list[tuple[str, str]], plan: MemoryPlan) -> list[tuple[str, str]]:
+    """int8/int4 KV: the bytes per block split into values and scales, below its row."""
+    scales = plan.kv_scale_bytes_per_block // plan.tensor_parallel_size
+    if not scales:
+        return rows
+    at = next(i for i, (label, _) in enumerate(rows) if label.startswith("/ bytes per block"))
+    values = plan.kv_bytes_per_block_per_rank - scales
+    split = [
+        (f"    {plan.kv_dtype} K/V values", format_bytes(values)),
+        ("    float32 scales (per token, kv head)", format_bytes(scales)),
+    ]
+    return rows[: at + 1] + split + rows[at + 1 :]
 
 
 def _kv_group_rows(plan: MemoryPlan) -> list[tuple[str, str]]:

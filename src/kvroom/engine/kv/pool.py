@@ -33,8 +33,12 @@ engine moves K/V out of the blocks a shrink removes (``copy_blocks``) before shr
 steps. Sliding-window rings are one per seat (``num_sliding_slots`` = batch size), not per
 block: a resize leaves them as they are.
 
-Bytes, exactly the planner's formula (per group: ``e`` entries, ``kvh`` kv heads, ``hd`` head
-dim; ``plan/kv.py``)::
+int8/int4 KV (``kv_codec``): the tensors are ``uint8`` and a row of ``hd`` values becomes
+``R = kv_codec.row_bytes(hd)`` bytes, values then their float32 scale (``models/kv_quant.py``),
+so copy-on-write, migration and resize move scales with their blocks by moving bytes.
+
+Bytes, exactly the planner's formula (per group: ``e`` entries, ``kvh`` kv heads, ``hd x b``
+bytes per row, ``R`` for int8/int4; ``plan/kv.py``)::
 
     nbytes = sum over full groups    layers x num_blocks        x block_size     x e x kvh x hd x b
            + sum over sliding groups layers x num_sliding_slots x sliding_window x e x kvh x hd x b
@@ -50,6 +54,7 @@ from kvroom.engine.kv import pages as kv_pages
 from kvroom.engine.kv.pages import BlockStore, make_block_store, zeros_lazy
 from kvroom.errors import ConfigError
 from kvroom.model_spec import KVGroup, LayerKind, ModelSpec
+from kvroom.models.kv_quant import KVCodec
 
 
 class KVCachePool:
@@ -68,6 +73,7 @@ class KVCachePool:
         device: torch.device | str,
         max_num_blocks: int | None = None,
         backend: str | None = None,
+        kv_codec: KVCodec | None = None,
     ) -> None:
         """Allocate the pool.
 
@@ -82,6 +88,7 @@ class KVCachePool:
             max_num_blocks: the largest size ``resize`` may reach (address space reserved on
                 CPU); default ``num_blocks``.
             backend: ``"mapped"`` or ``"copy"`` (``kv_pages``); default by device.
+            kv_codec: int8/int4 rows (``dtype`` is then ``uint8``); None for float KV.
 
         Raises:
             ConfigError: a count is not positive, or ``max_num_blocks < num_blocks``.
@@ -107,11 +114,14 @@ class KVCachePool:
                 f"got {num_sliding_slots}"
             )
         self.groups: tuple[KVGroup, ...] = spec.kv_groups(max_seq_len)
+        self.kv_codec = kv_codec
+        """How int8/int4 rows are encoded; None: the pool holds ``dtype`` values."""
+        dtype = dtype if kv_codec is None else torch.uint8
         full_groups = [g for g in self.groups if g.kind == "full"]
         self._stores: list[BlockStore] = [
             make_block_store(
                 len(g.layers),
-                (g.num_entries, g.num_kv_heads, g.head_dim),
+                self._entry(g),
                 block_size=block_size,
                 num_blocks=num_blocks,
                 max_num_blocks=max_num_blocks,
@@ -124,9 +134,7 @@ class KVCachePool:
         """Full-attention groups, one store each (all share the block ids)."""
         ring = (num_sliding_slots, self.sliding_window or 0)
         self._rings: list[torch.Tensor] = [
-            zeros_lazy(
-                (len(g.layers), *ring, g.num_entries, g.num_kv_heads, g.head_dim), dtype, device
-            )
+            zeros_lazy((len(g.layers), *ring, *self._entry(g)), dtype, device)
             for g in self.groups
             if g.kind == "sliding"
         ]
@@ -136,6 +144,11 @@ class KVCachePool:
         self.layers: list[torch.Tensor] = self._layer_views()
         """Per layer its ``[units, unit_len, 2, kv_heads, head_dim]`` tensor (model input).
         The objects never change; a resize changes their first dimension."""
+
+    def _entry(self, g: KVGroup) -> tuple[int, int, int]:
+        """One position's shape in a group: ``[entries, kv_heads, head_dim or row bytes]``."""
+        row = g.head_dim if self.kv_codec is None else self.kv_codec.row_bytes(g.head_dim)
+        return (g.num_entries, g.num_kv_heads, row)
 
     def _layer_views(self) -> list[torch.Tensor]:
         views: dict[int, torch.Tensor] = {}

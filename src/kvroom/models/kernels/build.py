@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 8
+ABI_VERSION = 9
 LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 """x86-64 levels the sources build for: SSE4.2, AVX2 + FMA, AVX-512 (F, BW, DQ, VL)."""
 _FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -122,7 +122,19 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_decode_vectorized.restype = i32
     lib.kvroom_prefill_vectorized.argtypes = [i32]
     lib.kvroom_prefill_vectorized.restype = i32
+    _signature_q(lib)
     return lib
+
+
+def _signature_q(lib: ctypes.CDLL) -> None:
+    """The int8/int4 KV attention entry points (``kvq_attention.h``)."""
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.kvroom_decode_attention_q.argtypes = [ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr]
+    lib.kvroom_decode_attention_q.argtypes += [i32, i32, i32, i32, i32, f32, f32, i32]
+    lib.kvroom_decode_attention_q.restype = i32
+    lib.kvroom_prefill_attention_q.argtypes = [ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr, ptr]
+    lib.kvroom_prefill_attention_q.argtypes += [i32, i32, i32, i32, i32, f32]
+    lib.kvroom_prefill_attention_q.restype = i32
 
 
 def compile_library(source: Path, target: Path, march: str = "native") -> None:

@@ -9,6 +9,7 @@
 //   panel_layout.h      the packed weight panels
 //   vector_panels.h     one panel pass in 8-float vectors (every target without AVX-512)
 //   avx512_*.h          AVX-512 decode and prefill attention and panel pass
+//   kvq_attention.h     decode and prefill attention over int8/int4 KV (every target)
 //   panels.h            the panel GEMM's driver (every target)
 //   quant_panels.h      the weight-only quantized GEMM over int4 / int8 panels (every target)
 // This file holds the entry points and chooses, per call, the ISA path that applies.
@@ -22,6 +23,7 @@
 #include "panels.h"
 #include "portable.h"
 #include "quant_panels.h"
+#include "kvq_attention.h"
 #if defined(__AVX512F__)
 #include "avx512_attention.h"
 #else
@@ -58,7 +60,8 @@ template <typename Q, typename KV>
 void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* tables,
              int64_t t_stride, const int64_t* starts, const int64_t* q_lens, Q* out, int B,
              const PrefillShape& sh) {
-  const bool wide = vector_prefill_dim(sh.D);  // the AVX-512 path: 16 rows per FMA
+  // the AVX-512 path: 16 rows per FMA (float KV only)
+  const bool wide = KVBits<KV>::value == 0 && vector_prefill_dim(sh.D);
   const int qt = prefill_item_rows(wide);
   struct Item {
     int b, g, r0;
@@ -87,10 +90,12 @@ void prefill(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table
       const Item& it = items[i];
       const int nr = static_cast<int>(q_lens[it.b] - it.r0 < qt ? q_lens[it.b] - it.r0 : qt);
 #if defined(__AVX512F__)
-      if (wide) {
-        prefill_item16(q, q_stride, cache, tables + it.b * t_stride, starts[it.b], it.row0,
-                       it.r0, nr, out, it.g, sh, buf);
-        continue;
+      if constexpr (KVBits<KV>::value == 0) {
+        if (wide) {
+          prefill_item16(q, q_stride, cache, tables + it.b * t_stride, starts[it.b], it.row0,
+                         it.r0, nr, out, it.g, sh, buf);
+          continue;
+        }
       }
 #endif
       prefill_item(q, q_stride, cache, tables + it.b * t_stride, starts[it.b], it.row0, it.r0,
@@ -299,6 +304,55 @@ int kvroom_quant_gemm(const float* x, int64_t x_stride, const uint8_t* q, const 
   return -1;
 }
 
-int kvroom_abi_version() { return 8; }
+int kvroom_abi_version() { return 9; }
+
+}  // extern "C"
+
+// ---- int8 / int4 KV (kvq_attention.h) --------------------------------------------------------
+extern "C" {
+
+// Decode attention over a pool of int8 (kv_bits 8) or int4 (4) rows, each followed by its
+// float32 scale; q and out float32 (q_dtype 0) or bfloat16 (1). Returns 0, or -1 where not
+// built (head dim not a multiple of 16, H not a multiple of KVH, other dtypes).
+int kvroom_decode_attention_q(const void* q, int64_t q_stride, int q_dtype, const void* cache,
+                              int kv_bits, const int64_t* tables, int64_t t_stride,
+                              const int64_t* lens, void* out, int B, int H, int KVH, int D,
+                              int unit_len, float scale, float softcap, int serial_max) {
+  if (D % 16 != 0 || H % KVH != 0) return -1;
+  const auto* c = static_cast<const uint8_t*>(cache);
+  if (q_dtype == 0)
+    return decode_q_bits(static_cast<const float*>(q), q_stride, c, kv_bits, tables, t_stride,
+                         lens, static_cast<float*>(out), B, H, KVH, D, unit_len, scale, softcap,
+                         serial_max);
+  if (q_dtype == 1)
+    return decode_q_bits(static_cast<const uint16_t*>(q), q_stride, c, kv_bits, tables,
+                         t_stride, lens, static_cast<uint16_t*>(out), B, H, KVH, D, unit_len,
+                         scale, softcap, serial_max);
+  return -1;
+}
+
+// Prefill attention (``kvroom_prefill_attention``) over int8 / int4 rows; -1 where not built.
+int kvroom_prefill_attention_q(const void* q, int64_t q_stride, int q_dtype, const void* cache,
+                               int kv_bits, const int64_t* tables, int64_t t_stride,
+                               const int64_t* starts, const int64_t* q_lens, void* out, int B,
+                               int H, int KVH, int D, int unit_len, float scale) {
+  if (D % 16 != 0 || H % KVH != 0 || (kv_bits != 8 && kv_bits != 4) || q_dtype > 1) return -1;
+  const PrefillShape sh{H, KVH, D, unit_len, scale};
+  const auto run = [&](auto* tag) {
+    using KV = std::remove_pointer_t<decltype(tag)>;
+    const auto* c = static_cast<const KV*>(cache);
+    if (q_dtype == 0)
+      prefill(static_cast<const float*>(q), q_stride, c, tables, t_stride, starts, q_lens,
+              static_cast<float*>(out), B, sh);
+    else
+      prefill(static_cast<const uint16_t*>(q), q_stride, c, tables, t_stride, starts, q_lens,
+              static_cast<uint16_t*>(out), B, sh);
+  };
+  if (kv_bits == 8)
+    run(static_cast<KVInt8*>(nullptr));
+  else
+    run(static_cast<KVInt4*>(nullptr));
+  return 0;
+}
 
 }  // extern "C"

@@ -280,3 +280,74 @@ def _dense_fp32(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the panel kernels read it: fp32, each row's elements adjacent."""
     x = x.float()
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# -- int8 / int4 KV (kvq_attention.h) -----------------------------------------------------------
+
+
+def decode_attention_q(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    bits: int,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor | None:
+    """``decode_attention`` over an int8 (``bits`` 8) or int4 (4) pool ``[units, unit_len, 2,
+    kv_heads, R]`` of ``uint8`` rows (``models/kv_quant.py``), dequantized in registers; None
+    where the kernel does not apply (head dim not a multiple of 16, other dtypes or devices)."""
+    b, h, d = q.shape
+    if not _quant_kv_applies(q, cache, lib):
+        return None
+    lib = library() if lib is None else lib
+    assert lib is not None
+    out = torch.empty(b, h * d, dtype=q.dtype)
+    rc = lib.kvroom_decode_attention_q(
+        q.data_ptr(), q.stride(0), _DTYPES[q.dtype], cache.data_ptr(), bits, tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), out.data_ptr(), b, h, cache.shape[3], d,
+        cache.shape[1], scale, softcap or 0.0, SERIAL_MAX_ITEMS,
+    )  # fmt: skip
+    return out if rc == 0 else None
+
+
+def prefill_attention_q(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    bits: int,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    scale: float,
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor | None:
+    """``prefill_attention`` over an int8/int4 pool (see ``decode_attention_q``); None where
+    the kernel does not apply."""
+    t, h, d = q.shape
+    if not _quant_kv_applies(q, cache, lib):
+        return None
+    lib = library() if lib is None else lib
+    assert lib is not None
+    out = torch.empty(t, h * d, dtype=q.dtype)
+    rc = lib.kvroom_prefill_attention_q(
+        q.data_ptr(), q.stride(0), _DTYPES[q.dtype], cache.data_ptr(), bits, tables.data_ptr(),
+        tables.stride(0), starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), starts.shape[0],
+        h, cache.shape[3], d, cache.shape[1], scale,
+    )  # fmt: skip
+    return out if rc == 0 else None
+
+
+def _quant_kv_applies(q: torch.Tensor, cache: torch.Tensor, lib: ctypes.CDLL | None) -> bool:
+    """CPU, float32/bf16 queries with dense heads, a contiguous ``uint8`` pool, kernels
+    loaded."""
+    d = q.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and cache.dtype == torch.uint8
+        and q.stride(2) == 1
+        and q.stride(1) == d
+        and cache.is_contiguous()
+        and _native(lib)
+    )

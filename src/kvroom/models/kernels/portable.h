@@ -162,6 +162,16 @@ inline void accumulate_rows(const float* p, int kn, const float* v, int D, float
   for (; dv < D; dv += VW) accumulate<NR, 1>(p, kn, v, D, o, dv);
 }
 
+// one position of the pool into prefill_item's tile buffers: K transposed into k (stride ks),
+// V into v (int8/int4 pools: the overloads in kvq_attention.h)
+template <typename KV>
+inline void load_kv(const KV* cache, int64_t slot, int KVH, int D, int g, float* k, int ks,
+                    float* v) {
+  const KV* src = cache + slot * 2LL * KVH * D;
+  for (int d = 0; d < D; ++d) k[d * ks] = load(src[g * D + d]);
+  for (int d = 0; d < D; ++d) v[d] = load(src[(KVH + g) * D + d]);
+}
+
 template <typename Q, typename KV>
 void prefill_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* table,
                   int64_t start, int64_t row0, int r0, int nr, Q* out, int g,
@@ -184,7 +194,6 @@ void prefill_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* 
   std::memset(o, 0, sizeof(float) * M * D);
   for (int m = 0; m < M; ++m) mx[m] = -INFINITY, l[m] = 0.f;
   const int64_t first = start + r0, nkeys = first + nr;  // keys 0 .. last position of the tile
-  const int64_t row = 2LL * KVH * D;
   for (int64_t k0 = 0; k0 < nkeys; k0 += KT) {
     const int kn = static_cast<int>(nkeys - k0 < KT ? nkeys - k0 : KT);
     for (int t = 0; t < KT; ++t) {
@@ -193,9 +202,8 @@ void prefill_item(const Q* q, int64_t q_stride, const KV* cache, const int64_t* 
         continue;
       }
       const int64_t p = k0 + t;
-      const KV* src = cache + (table[p / sh.unit_len] * sh.unit_len + p % sh.unit_len) * row;
-      for (int d = 0; d < D; ++d) kt[d * KT + t] = load(src[g * D + d]);
-      for (int d = 0; d < D; ++d) v[t * D + d] = load(src[(KVH + g) * D + d]);
+      const int64_t slot = table[p / sh.unit_len] * sh.unit_len + p % sh.unit_len;
+      load_kv(cache, slot, KVH, D, g, kt + t, KT, v + t * D);
     }
     int m = 0;
     for (; m + 3 <= M; m += 3) scores<3>(qf + m * D, D, kt, s + m * KT);

@@ -1,0 +1,129 @@
+"""int8/int4 KV rows: round trip within the format's bound, the layout, the rotation, and paged
+attention over a quantized pool equal to attention over its dequantized K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvroom.models import kv_quant
+from kvroom.models.attention import paged_attention
+from kvroom.models.attention_index import SeqChunk, build_attention_metadata
+from kvroom.models.kernels import cpu_kernels, ops
+from kvroom.models.kv_quant import KVCodec
+
+BITS = [8, 4]
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_round_trip_is_within_half_a_step(bits: int) -> None:
+    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    x[0, 0] = 0.0  # an all-zero row has scale 0 and must come back as zeros
+    rows = kv_quant.quantize(x, bits)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 64 * bits // 8 + 4)
+    back = kv_quant.dequantize(rows, bits, torch.float32)
+    bound = kv_quant.error_bound(x, rows, bits) * (1 + 1e-5) + 1e-6
+    assert ((back - x).abs() <= bound).all()
+    full_step = x.abs().amax(-1, keepdim=True) / kv_quant.QMAX[bits]
+    assert ((back - x).abs() <= full_step / 2 + 1e-5).float().mean() > 0.9
+    assert back[0, 0].eq(0).all()
+    assert (back - x).abs().max() > 0  # lossy: the bound is not vacuous
+
+
+def test_rows_hold_values_then_a_float32_scale() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5, 7.0]])
+    int8 = kv_quant.quantize(x, 8)
+    assert int8[0, :4].view(torch.int8).tolist() == [18, -36, 9, 127]
+    assert int8[0, 4:].view(torch.float32).item() == pytest.approx(7.0 / 127)
+    int4 = kv_quant.quantize(x, 4)  # q = 1, -2, 0 (0.5 rounds to even), 7; stored q + 8
+    assert int4[0, :2].tolist() == [(9 | (6 << 4)), (8 | (15 << 4))]
+    assert int4[0, 2:].clone().view(torch.float32).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 192])
+def test_hadamard_is_an_orthogonal_involution(d: int) -> None:
+    h = kv_quant.hadamard(d)
+    torch.testing.assert_close(h @ h, torch.eye(d), atol=1e-6, rtol=0)
+    torch.testing.assert_close(h, h.T)
+    assert kv_quant.rotation_block(d) == (64 if d == 192 else d)
+    assert KVCodec(8, True).rotation(32, torch.device("cpu")) is None
+
+
+def test_rotation_spreads_an_outlier_channel() -> None:
+    """One large channel: rotated, the int4 error of the other channels drops."""
+    x = torch.randn(256, 64)
+    x[:, 3] *= 40
+    h = kv_quant.hadamard(64)
+    plain = kv_quant.dequantize(kv_quant.quantize(x, 4), 4, torch.float32)
+    rotated = kv_quant.dequantize(kv_quant.quantize(x @ h, 4), 4, torch.float32) @ h
+    assert (rotated - x).pow(2).mean() < 0.5 * (plain - x).pow(2).mean()
+
+
+BLOCK, KVH, HEADS, D = 4, 2, 4, 64
+
+
+def _step(chunks: list[SeqChunk], codec: KVCodec | None):
+    meta = build_attention_metadata(
+        chunks,
+        layer_kinds=["full"],
+        block_size=BLOCK,
+        sliding_window=None,
+        dtype=torch.float32,
+        device="cpu",
+        kv_codec=codec,
+    )
+    return meta.layers[0]
+
+
+def _reference(q, kv, pool_f, chunks, codec, h):
+    """Float pool holding the dequantized rows rotated back, queries as they are: what the
+    quantized path computes, by the identity (qH).(k'H) = q.(k' H^T H) and out' H."""
+    stored = kv_quant.as_stored(kv_quant.rotate(kv, h), torch.float32, codec)
+    return paged_attention(q, kv_quant.rotate(stored, h), pool_f, _steps_store(chunks), D**-0.5)
+
+
+def _steps_store(chunks):
+    return _step(chunks, None)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_attention_over_a_quantized_pool_is_attention_over_its_dequantized_kv(
+    bits: int, rotate: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh prefill, a chunk with cached context, then mixed decode steps: each step's
+    output equals the float path over the dequantized (and unrotated) K/V, through the native
+    kernels (where built) and through the torch fallback."""
+    ran: list[str] = []
+    for name in ("decode_attention_q", "prefill_attention_q"):
+        kernel = getattr(ops, name)
+
+        def spy(*args, _kernel=kernel, _name=name, **kwargs):
+            out = None if path == "torch" else _kernel(*args, **kwargs)
+            ran.extend([_name] if out is not None else [])
+            return out
+
+        monkeypatch.setattr(ops, name, spy)
+    codec = KVCodec(bits, rotate)
+    h = codec.rotation(D, torch.device("cpu"))
+    pool_q = torch.zeros(16, BLOCK, 2, KVH, codec.row_bytes(D), dtype=torch.uint8)
+    pool_f = torch.zeros(16, BLOCK, 2, KVH, D)
+    tables = [[3, 7, 1, 9], [12, 0, 5, 6]]
+    gen = torch.Generator().manual_seed(bits + rotate)
+    steps = [
+        [SeqChunk(0, 6, tables[0], None), SeqChunk(0, 6, tables[1], None)],
+        [SeqChunk(6, 5, tables[0], None), SeqChunk(6, 3, tables[1], None)],
+        [SeqChunk(11, 1, tables[0], None), SeqChunk(9, 1, tables[1], None)],
+        [SeqChunk(12, 1, tables[0], None), SeqChunk(10, 4, tables[1], None)],
+    ]
+    for chunks in steps:
+        t = sum(c.q_len for c in chunks)
+        q = torch.randn(t, HEADS, D, generator=gen)
+        kv = torch.randn(t, 2, KVH, D, generator=gen) * 3
+        got = paged_attention(q, kv, pool_q, _step(chunks, codec), D**-0.5)
+        want = _reference(q, kv, pool_f, chunks, codec, h)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert kv_quant.dequantize(pool_q[3, 0], bits, torch.float32).abs().sum() > 0
+    native = path == "native" and cpu_kernels().native
+    assert set(ran) == ({"decode_attention_q", "prefill_attention_q"} if native else set())
