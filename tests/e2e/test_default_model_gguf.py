@@ -12,7 +12,7 @@ from kvroom.artifact.layout import GGUF_WEIGHTS, hf_load_kwargs, read_info
 from kvroom.compile import compile as kvroom_compile
 from kvroom.engine.params.sampling import SamplingParams
 from kvroom.llm import LLM
-from kvroom.models.quant import QuantizedLinear
+from kvroom.models.layers import Quantized
 from kvroom.sources import builtin_gguf_path
 
 pytestmark = pytest.mark.real_model
@@ -53,7 +53,7 @@ def test_the_file_is_kept_as_shipped_and_planned_as_loaded(artifacts: dict[str, 
     assert plan.weight_bytes < 0.45 * read_info(artifacts["fp32"]).plan.weight_bytes
     llm = LLM(folder)
     model = llm.runtime.runner.model
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    quantized = [m for m in model.modules() if isinstance(m, Quantized)]
     # the folded norms ride along as input scales; the plan counts them as float32 norms
     norms = sum(m.input_scale.nbytes for m in quantized if m.input_scale is not None)
     resident = sum(m.resident_bytes for m in quantized) - norms

@@ -91,3 +91,13 @@ def test_prepare_weight_turns_quantized_weights_into_panels() -> None:
     assert isinstance(layers.prepare_weight(w), QuantPanels)
     ragged = weight("Q8_0", rows=40, cols=128)  # not whole panels: the torch path
     assert layers.prepare_weight(ragged) is ragged
+
+
+def test_float16_activations_come_back_in_float16() -> None:
+    w = weight("Q8_0", rows=64, cols=128)
+    x = torch.randn(3, 128).half()
+    panels = QuantPanels(w)
+    got = panels.matmul(x)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), x.float() @ w.dequantize().t(), rtol=2e-3, atol=2e-2)
+    assert panels.glu(x).dtype == torch.float16

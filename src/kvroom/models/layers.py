@@ -171,7 +171,10 @@ def matmul_add_(out: torch.Tensor, x: torch.Tensor, w: Weight) -> None:
     """``out += x @ w`` for a ``prepare_weight`` weight, the product rounded to ``out``'s dtype
     first as ``out.add_(matmul(x, w))`` rounds it; in the native GEMM's epilogue where it runs."""
     if isinstance(w, QuantPanels) and out.dtype in (torch.float32, torch.bfloat16):
-        w.matmul(x, out=out) if out.stride(-1) == 1 else out.add_(w.matmul(x))
+        if out.stride(-1) == 1:
+            w.matmul(x, out=out)
+        else:
+            out.add_(w.matmul(x))
     elif _is_panels(w) and out.dtype == w.dtype and out.stride(-1) == 1:
         native.panel_gemm(x, w, out=out)
     else:

@@ -27,6 +27,8 @@ from kvroom.models.kernels import ops
 from kvroom.models.quant.linear import QuantizedLinear
 
 PANEL = ops.PANEL
+_Y_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Output dtypes the kernel writes (its code for each)."""
 
 
 class QuantPanels(nn.Module):
@@ -84,6 +86,8 @@ class QuantPanels(nn.Module):
         into ``out`` (rounded to ``out``'s dtype first, as ``out.add_`` of the product would)."""
         xf = self._input(x)
         m = xf.shape[0]
+        if out is None and x.dtype not in _Y_DTYPES:  # the kernel writes fp32 or bf16
+            return self.matmul(xf, bias, lib=lib).to(x.dtype)
         y = torch.empty(m, self.out_features, dtype=x.dtype) if out is None else out
         assert y.shape == (m, self.out_features) and y.stride(-1) == 1, (y.shape, y.stride())
         bias = None if bias is None else bias.float().contiguous()
@@ -94,6 +98,8 @@ class QuantPanels(nn.Module):
         """``silu(x @ gate.T) * (x @ up.T)`` for a fused gate_up weight (gate rows first), in
         one pass that never writes the ``[M, 2I]`` product."""
         xf = self._input(x)
+        if x.dtype not in _Y_DTYPES:
+            return self.glu(xf, lib=lib).to(x.dtype)
         y = torch.empty(xf.shape[0], self.out_features // 2, dtype=x.dtype)
         self._call(lib, xf, y, None, accumulate=False, glu=True)
         return y
@@ -120,8 +126,7 @@ class QuantPanels(nn.Module):
     ) -> None:
         lib = ops.library() if lib is None else lib
         assert lib is not None, "QuantPanels needs the native kernels"
-        y_dtype = 0 if y.dtype == torch.float32 else 1
-        assert y_dtype == 0 or y.dtype == torch.bfloat16, y.dtype
+        y_dtype = _Y_DTYPES[y.dtype]
         rc = lib.kvroom_quant_gemm(
             x.data_ptr(), x.stride(0), *self._weight_args,
             0 if bias is None else bias.data_ptr(), y.data_ptr(), y_dtype, y.stride(0),
