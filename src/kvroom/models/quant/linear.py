@@ -19,7 +19,30 @@ whole weight 2.1 ms (per-tile op overhead dominates small tiles); at 32 rows 2^1
 fastest (5.1 ms; dense fp32 4.8 ms); at 512 rows all were within 10% of dense fp32."""
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedWeight(nn.Module):
+    """What every form of a quantized weight reports: its bytes and its description."""
+
+    kind: str
+    group_size: int
+    in_features: int
+    out_features: int
+    layout = ""
+    """How the values are arranged, after the kind in the description ("" for rows)."""
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this weight holds (values, scales, mins, input scale)."""
+        return sum(b.nbytes for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        affine = "affine" if self.mins is not None else "symmetric"
+        return (
+            f"{self.kind}{self.layout}, out={self.out_features}, in={self.in_features}, "
+            f"group={self.group_size}, {affine}, scales={self.scales.dtype}"
+        )
+
+
+class QuantizedLinear(QuantizedWeight):
     """A ``[out, in]`` weight in kvroom's quantized layout (see ``kvroom.models.quant``)."""
 
     def __init__(
@@ -52,18 +75,6 @@ class QuantizedLinear(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.qweight.device
-
-    @property
-    def resident_bytes(self) -> int:
-        """Bytes this weight holds (values, scales, mins, input scale)."""
-        return sum(b.nbytes for b in self.buffers())
-
-    def extra_repr(self) -> str:
-        affine = "affine" if self.mins is not None else "symmetric"
-        return (
-            f"{self.kind}, out={self.out_features}, in={self.in_features}, "
-            f"group={self.group_size}, {affine}, scales={self.scales.dtype}"
-        )
 
     # -- values ---------------------------------------------------------------------------------
     def values(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:

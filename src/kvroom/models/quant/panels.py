@@ -21,18 +21,19 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch import nn
 
 from kvroom.models.kernels import ops
-from kvroom.models.quant.linear import QuantizedLinear
+from kvroom.models.quant.linear import QuantizedLinear, QuantizedWeight
 
 PANEL = ops.PANEL
 _Y_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Output dtypes the kernel writes (its code for each)."""
 
 
-class QuantPanels(nn.Module):
+class QuantPanels(QuantizedWeight):
     """A ``QuantizedLinear`` in panels, multiplied by the native quantized GEMM."""
+
+    layout = " panels"
 
     def __init__(self, w: QuantizedLinear) -> None:
         super().__init__()
@@ -61,18 +62,6 @@ class QuantPanels(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.q.device
-
-    @property
-    def resident_bytes(self) -> int:
-        """Bytes this weight holds (values, scales, mins, input scale)."""
-        return sum(b.nbytes for b in self.buffers())
-
-    def extra_repr(self) -> str:
-        affine = "affine" if self.mins is not None else "symmetric"
-        return (
-            f"{self.kind} panels, out={self.out_features}, in={self.in_features}, "
-            f"group={self.group_size}, {affine}, scales={self.scales.dtype}"
-        )
 
     # -- products -------------------------------------------------------------------------------
     def matmul(
