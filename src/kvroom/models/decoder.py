@@ -31,6 +31,7 @@ from torch import nn
 from kvroom.errors import ModelSourceError
 from kvroom.model_spec import ModelSpec
 from kvroom.models.attention import AttentionMetadata, KindBatch, paged_attention
+from kvroom.models.fused_decode import FusedDecode
 from kvroom.models.layers import (
     Quantized,
     add_mlp_,
@@ -193,6 +194,7 @@ class DecoderModel(nn.Module):
         )
         self.eps = torch.empty((), device="meta")
         self._rope: list[tuple[torch.Tensor, float]] = []
+        self._fused: FusedDecode | None = None
 
     def hf_top_names(self) -> dict[str, str]:
         """Top-level kvroom parameter -> HF tensor (a tied head reads the embedding)."""
@@ -245,6 +247,8 @@ class DecoderModel(nn.Module):
             self._rope.append((inv_freq.to(self.device), scale))
         for layer in self.layers:
             layer.post_load(self.eps)
+        plain = all(type(layer) is DecoderLayer for layer in self.layers)
+        self._fused = FusedDecode.of(self.layers, self.dtype) if plain else None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` rows of the embedding (columns of the tied head), a fresh tensor."""
@@ -271,6 +275,8 @@ class DecoderModel(nn.Module):
         """
         h = self.embed_tokens(input_ids)
         cis = [rope_cis(positions, inv_freq, scale) for inv_freq, scale in self._rope]
+        if self._fused is not None and self._fused.run(h, cis[0], kv_caches, meta):
+            return h  # a decode step, every layer in one native call
         for layer, cache, batch in zip(self.layers, kv_caches, meta.layers, strict=True):
             layer(h, cis[layer.rope_kind], cache, batch)
         return h

@@ -92,8 +92,8 @@ def prepare_weight(w: Weight) -> Weight:
     bf16 weights become bf16 panels on AVX-512 CPUs without AMX (widened to fp32 in registers
     as they stream; a SmolLM2 decode step at 32 rows took 0.6x its time with oneDNN's bf16
     GEMM); else they are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to
-    fp32 and packed (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the
-    output to bf16).
+    fp32 and packed, as fp32 panels where the CPU runs them (AVX2) or for oneDNN
+    (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the output to bf16).
 
     Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
@@ -106,7 +106,9 @@ def prepare_weight(w: Weight) -> Weight:
     if (panels := native.pack_panels(w)) is not None:
         return panels
     if w.dtype == torch.bfloat16 and widens_bf16_weights():
-        w = w.float()
+        w = w.float()  # widened once: fp32 panels where this CPU runs them, else oneDNN's
+        if (panels := native.pack_panels(w)) is not None:
+            return panels
     elif w.dtype not in (torch.float32, torch.bfloat16):
         return w.contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)

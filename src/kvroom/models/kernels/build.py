@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 9
+ABI_VERSION = 10
 LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 """x86-64 levels the sources build for: SSE4.2, AVX2 + FMA, AVX-512 (F, BW, DQ, VL)."""
 _FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -123,7 +123,18 @@ def _signature(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvroom_prefill_vectorized.argtypes = [i32]
     lib.kvroom_prefill_vectorized.restype = i32
     _signature_q(lib)
+    _signature_layers(lib)
     return lib
+
+
+def _signature_layers(lib: ctypes.CDLL) -> None:
+    """The whole-step decode entry point (``decode_layers.h``)."""
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.kvroom_decode_layers.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, i64, ptr, ptr]
+    lib.kvroom_decode_layers.argtypes += [i32] * 7 + [f32, f32, ptr, i32, i32]
+    lib.kvroom_decode_layers.restype = i32
+    lib.kvroom_decode_layers_work.argtypes = [i32] * 6
+    lib.kvroom_decode_layers_work.restype = i64
 
 
 def _signature_q(lib: ctypes.CDLL) -> None:

@@ -12,6 +12,7 @@
 //   kvq_attention.h     decode and prefill attention over int8/int4 KV (every target)
 //   panels.h            the panel GEMM's driver (every target)
 //   quant_panels.h      the weight-only quantized GEMM over int4 / int8 panels (every target)
+//   decode_layers.h     a decode step through every layer in one call (every target)
 // This file holds the entry points and chooses, per call, the ISA path that applies.
 #include <omp.h>
 
@@ -304,7 +305,7 @@ int kvroom_quant_gemm(const float* x, int64_t x_stride, const uint8_t* q, const 
   return -1;
 }
 
-int kvroom_abi_version() { return 9; }
+int kvroom_abi_version() { return 10; }
 
 }  // extern "C"
 
@@ -356,3 +357,6 @@ int kvroom_prefill_attention_q(const void* q, int64_t q_stride, int q_dtype, con
 }
 
 }  // extern "C"
+
+// ---- a whole decode step (decode_layers.h) ----------------------------------------------------
+#include "decode_layers.h"

@@ -26,7 +26,7 @@ for the other thread to wake: sampled in ``kvroom serve`` at 32 clients, the two
 the engine thread's time, where one thread runs them in about 1.5 ms of a 60 ms step."""
 
 
-def _serial_rows(columns: int) -> int:
+def serial_rows(columns: int) -> int:
     return max(SERIAL_MAX_ITEMS, SERIAL_MAX_ELEMENTS // max(columns, 1))
 
 
@@ -165,7 +165,7 @@ def add_rms_norm(
     rc = lib.kvroom_add_rms_norm(
         h.data_ptr(), 0 if delta is None else delta.data_ptr(), y.data_ptr(),
         0 if weight is None else weight.data_ptr(), dt, h.shape[0], h.shape[1], eps,
-        _serial_rows(h.shape[1]),
+        serial_rows(h.shape[1]),
     )  # fmt: skip
     assert rc == 0, f"kvroom_add_rms_norm returned {rc}"
     return y
@@ -183,7 +183,7 @@ def silu_mul(gu: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor |
     assert lib is not None
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype)
-    serial = _serial_rows(2 * inter)
+    serial = serial_rows(2 * inter)
     rc = lib.kvroom_silu_mul(gu.data_ptr(), out.data_ptr(), dt, rows, inter, serial)
     assert rc == 0, f"kvroom_silu_mul returned {rc}"
     return out
