@@ -53,7 +53,7 @@ class FusedDecode:
         self.eps = layers[0].eps_value
         self.descriptors = descriptors
         self._keep = keep  # fp32 biases and input scales the descriptors point into
-        self._work: dict[int, torch.Tensor] = {}
+        self._work = torch.empty(0, dtype=torch.float32)
 
     @classmethod
     def of(cls, layers: Sequence[Any], dtype: torch.dtype) -> FusedDecode | None:
@@ -114,16 +114,17 @@ class FusedDecode:
         )
 
     def _work_for(self, rows: int) -> torch.Tensor:
-        work = self._work.get(rows)
-        if work is None:
-            lib = library()
-            assert lib is not None
-            c = self.cfg
-            floats = lib.kvroom_decode_layers_work(
-                rows, c.hidden, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate
-            )
-            work = self._work[rows] = torch.empty(floats, dtype=torch.float32)
-        return work
+        """Scratch for ``rows`` rows: one buffer, grown to the largest step seen (its layout is
+        per row, so a larger one serves a smaller step)."""
+        lib = library()
+        assert lib is not None
+        c = self.cfg
+        floats = lib.kvroom_decode_layers_work(
+            rows, c.hidden, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate
+        )
+        if self._work.numel() < floats:
+            self._work = torch.empty(floats, dtype=torch.float32)
+        return self._work
 
 
 def _plain_layers(layers: Sequence[Any]) -> bool:

@@ -127,7 +127,7 @@ int layer_step(const int64_t* L, void* cache, void* h_, const float* cis, const 
   T* h = static_cast<T*>(h_);
   const int64_t B = s.B, qkv_n = static_cast<int64_t>(s.H + 2 * s.KVH) * s.D;
   const int64_t q_n = static_cast<int64_t>(s.H) * s.D, widest = std::max<int64_t>(
-      std::max<int64_t>(qkv_n, 2 * static_cast<int64_t>(s.inter)), s.hidden);
+      std::max<int64_t>(qkv_n, s.inter), s.hidden);
   // scratch, in floats (a bf16 buffer uses the first half of its slot)
   float* xf = work;
   T* x = reinterpret_cast<T*>(xf + B * widest);
@@ -195,7 +195,7 @@ int kvroom_decode_layers(const int64_t* layers, int n_layers, const int64_t* cac
 // floats of scratch ``kvroom_decode_layers`` needs for B rows
 int64_t kvroom_decode_layers_work(int B, int hidden, int H, int KVH, int D, int inter) {
   const int64_t qkv_n = static_cast<int64_t>(H + 2 * KVH) * D;
-  const int64_t widest = std::max<int64_t>(std::max<int64_t>(qkv_n, 2 * int64_t{inter}), hidden);
+  const int64_t widest = std::max<int64_t>(std::max<int64_t>(qkv_n, int64_t{inter}), hidden);
   return 5 * B * widest;
 }
 
