@@ -109,6 +109,8 @@ def prepare_weight(w: Weight) -> Weight:
         w = w.float()  # widened once: fp32 panels where this CPU runs them, else oneDNN's
         if (panels := native.pack_panels(w)) is not None:
             return panels
+    elif w.dtype == torch.bfloat16 and not cpu_kernels().bf16_packed:
+        return w.contiguous()  # bf16 panels elsewhere, but not this shape: torch's own GEMM
     elif w.dtype not in (torch.float32, torch.bfloat16):
         return w.contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
@@ -137,8 +139,13 @@ def embedding(input_ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> tor
 
 def widens_bf16_weights() -> bool:
     """True where ``prepare_weight`` widens bf16 projections to fp32 (this CPU has oneDNN but
-    not its bf16 GEMM): they then take twice their bf16 bytes."""
-    return torch.backends.mkldnn.is_available() and not cpu_kernels().bf16_packed
+    neither its bf16 GEMM nor the native bf16 panels): they then take twice their bf16 bytes."""
+    kernels = cpu_kernels()
+    return (
+        torch.backends.mkldnn.is_available()
+        and not kernels.bf16_packed
+        and not kernels.panels(torch.bfloat16)
+    )
 
 
 def packed_bf16_bytes(model: torch.nn.Module) -> int:
