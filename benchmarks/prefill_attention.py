@@ -40,11 +40,12 @@ from unittest import mock
 
 import torch
 
-from kvroom.models import attention
-from kvroom.models.attention import KindBatch, PrefillChunk, PrefillGroup, paged_attention
+from kvroom.models import prefill_attention
+from kvroom.models.attention import KindBatch, paged_attention
 from kvroom.models.kernels import cpu_kernels
 from kvroom.models.kernels import ops as native
 from kvroom.models.kernels.build import build_library
+from kvroom.models.prefill_attention import PrefillChunk, PrefillGroup
 
 TTFT_PROMPTS, TTFT_LEN = 8, 1500  # vllm_peer.py's TTFT workload
 
@@ -103,7 +104,7 @@ def _pool(args: argparse.Namespace, tokens: int, dtype: torch.dtype) -> torch.Te
 @contextmanager
 def _masked() -> Iterator[None]:
     """Chunks with cached context take the single masked SDPA call instead of the split."""
-    with mock.patch.object(attention, "_split_applies", lambda *_: False):
+    with mock.patch.object(prefill_attention, "_split_applies", lambda *_: False):
         yield
 
 
@@ -130,10 +131,10 @@ def context(
 
     def masked() -> torch.Tensor:
         with _masked():
-            return attention._prefill_chunks(q, cache, (chunk,), scale, None)
+            return prefill_attention._prefill_chunks(q, cache, (chunk,), scale, None)
 
     def split() -> torch.Tensor:
-        return attention._prefill_chunks(q, cache, (chunk,), scale, None)
+        return prefill_attention._prefill_chunks(q, cache, (chunk,), scale, None)
 
     paths: dict[str, Callable[[], torch.Tensor]] = {"masked": masked, "split": split}
     starts, q_lens = torch.tensor([start]), torch.tensor([q_len])

@@ -17,11 +17,13 @@ DTYPE_BYTES: dict[str, int] = {
 """Width of each supported dtype, by its torch name."""
 
 KV_QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
-"""KV-only integer formats: each (token, kv head) row of K or V holds its values, symmetric
-around 0 (int8: -127..127; int4: -7..7, two per byte), then one float32 scale."""
+"""KV-only integer formats: each (token, kv head) row of K or V holds its values, then 4 bytes
+of parameters (int8: -127..127 and a float32 scale; int4: 0..15, two per byte, and a float16
+scale and min; ``models/kv_quant.py``)."""
 
 KV_SCALE_BYTES = 4
-"""The float32 scale closing each quantized (token, kv head) row."""
+"""The parameters closing each quantized (token, kv head) row: int8 a float32 scale, int4 a
+float16 scale and a float16 min."""
 
 KV_DTYPES: tuple[str, ...] = (*DTYPE_BYTES, *KV_QUANT_BITS)
 """Everything ``kv_dtype`` accepts."""
@@ -101,7 +103,7 @@ def format_bytes(num_bytes: int | float) -> str:
 
 def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
     """Bytes of one (token, kv head) row of K or V: ``head_dim x width``; int8:
-    ``head_dim + 4``, int4: ``head_dim / 2 + 4`` (values, then the float32 scale)."""
+    ``head_dim + 4``, int4: ``head_dim / 2 + 4`` (values, then ``KV_SCALE_BYTES``)."""
     bits = KV_QUANT_BITS.get(kv_dtype)
     if bits is None:
         return head_dim * DTYPE_BYTES[kv_dtype]

@@ -8,8 +8,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvroom.models import attention
-from kvroom.models.attention import PrefillChunk
+from kvroom.models import prefill_attention
+from kvroom.models.prefill_attention import PrefillChunk
 
 UNIT = 16
 
@@ -42,9 +42,9 @@ def _both(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(split output, masked-SDPA reference) of ``_prefill_chunks``."""
     scale = q.shape[-1] ** -0.5
-    out = attention._prefill_chunks(q, cache, chunks, scale, softcap)
-    with mock.patch.object(attention, "_split_applies", lambda *_: False):
-        ref = attention._prefill_chunks(q, cache, chunks, scale, softcap)
+    out = prefill_attention._prefill_chunks(q, cache, chunks, scale, softcap)
+    with mock.patch.object(prefill_attention, "_split_applies", lambda *_: False):
+        ref = prefill_attention._prefill_chunks(q, cache, chunks, scale, softcap)
     return out, ref
 
 
@@ -92,10 +92,10 @@ def test_split_matches_masked_sdpa_narrow_dtypes(dtype, kv_dtype, atol, spans) -
 def test_split_skips_sliding_chunks_and_softcaps() -> None:
     q = _queries(4, 9, 3, 64, torch.float32).unsqueeze(0).transpose(1, 2)
     full = PrefillChunk(0, 4, 10, 14, None)
-    assert attention._split_applies(q, full, None)
-    assert not attention._split_applies(q, PrefillChunk(0, 4, 0, 4, None), None)
-    assert not attention._split_applies(q, PrefillChunk(0, 4, 10, 14, None, window=8), None)
-    assert not attention._split_applies(q, full, 50.0)
+    assert prefill_attention._split_applies(q, full, None)
+    assert not prefill_attention._split_applies(q, PrefillChunk(0, 4, 0, 4, None), None)
+    assert not prefill_attention._split_applies(q, PrefillChunk(0, 4, 10, 14, None, window=8), None)
+    assert not prefill_attention._split_applies(q, full, 50.0)
 
 
 def test_softcap_chunks_keep_the_masked_path() -> None:

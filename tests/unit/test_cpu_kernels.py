@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_cases import decode_case, prefill_case, prefill_reference, require_native_kernels
-from kvroom.models import attention
+from kvroom.models import attention, prefill_attention
 from kvroom.models.kernels import CpuKernels, cpu_flags, cpu_kernels, ops
 from kvroom.models.layers import rms_norm
 
@@ -349,15 +349,15 @@ def test_silu_projections_take_the_fused_glu_and_others_the_product(monkeypatch)
     torch.testing.assert_close(gelu, want_gelu, atol=1e-5, rtol=1e-5)
 
 
-def _context_group(tables, chunks) -> attention.PrefillGroup:
+def _context_group(tables, chunks) -> prefill_attention.PrefillGroup:
     rows = [0]
     for _, n in chunks:
         rows.append(rows[-1] + n)
     per_chunk = tuple(
-        attention.PrefillChunk(rows[b], n, start, start + n, tables[b : b + 1])
+        prefill_attention.PrefillChunk(rows[b], n, start, start + n, tables[b : b + 1])
         for b, (start, n) in enumerate(chunks)
     )
-    return attention.PrefillGroup(
+    return prefill_attention.PrefillGroup(
         row_start=0,
         num_seqs=len(chunks),
         max_q_len=max(n for _, n in chunks),
@@ -372,14 +372,14 @@ def _context_group(tables, chunks) -> attention.PrefillGroup:
 def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
     monkeypatch, large
 ) -> None:
-    monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
-    monkeypatch.setattr(attention, "_vector_prefill", lambda q: False)
+    monkeypatch.setattr(prefill_attention, "_sdpa_context_prefill", lambda q: True)
+    monkeypatch.setattr(prefill_attention, "_vector_prefill", lambda q: False)
     chunks = [(5, 30), (0, 12), (40, 8)] + ([(20, 180)] if large else [])  # 180 x 200 scores
     q, cache, tables, chunks = prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
     g = _context_group(tables, chunks)
-    out = attention._prefill_full(q, None, cache, g, 0.125, None)
+    out = prefill_attention.prefill_full(q, None, cache, g, 0.125, None)
     native = ops.prefill_attention(q, cache, tables, g.starts, g.q_lens, 0.125)
-    sdpa = attention._prefill_chunks(q, cache, g.chunks, 0.125, None)
+    sdpa = prefill_attention._prefill_chunks(q, cache, g.chunks, 0.125, None)
     if large:  # SDPA's result may differ in the last bit from call to call
         assert not torch.equal(out, native)
         torch.testing.assert_close(out, sdpa, atol=1e-6, rtol=0)
@@ -391,8 +391,8 @@ def test_small_context_chunks_take_the_native_kernel_where_sdpa_wins_large_ones(
 
 @pytest.mark.parametrize("fresh", [False, True])
 def test_context_chunks_take_the_vector_path_fresh_ones_sdpa(monkeypatch, fresh) -> None:
-    monkeypatch.setattr(attention, "_sdpa_context_prefill", lambda q: True)
-    monkeypatch.setattr(attention, "_vector_prefill", lambda q: True)
+    monkeypatch.setattr(prefill_attention, "_sdpa_context_prefill", lambda q: True)
+    monkeypatch.setattr(prefill_attention, "_vector_prefill", lambda q: True)
     chunks = [(0, 180), (0, 180)] if fresh else [(20, 180), (5, 30)]
     q, cache, tables, chunks = prefill_case(torch.float32, torch.float32, 9, 3, 64, chunks)
     g = _context_group(tables, chunks)
@@ -401,11 +401,11 @@ def test_context_chunks_take_the_vector_path_fresh_ones_sdpa(monkeypatch, fresh)
     calls = []
     kernel = ops.prefill_attention
     monkeypatch.setattr(
-        attention.native, "prefill_attention", lambda *a: calls.append(1) or kernel(*a)
+        prefill_attention.native, "prefill_attention", lambda *a: calls.append(1) or kernel(*a)
     )
     # fresh: the step's own K/V rows, which are the pool rows of each table (45 units x 4 = 180)
     own = cache[tables].reshape(-1, *cache.shape[2:]) if fresh else None
-    out = attention._prefill_full(q, own, cache, g, 0.125, None)
+    out = prefill_attention.prefill_full(q, own, cache, g, 0.125, None)
     assert calls == ([] if fresh else [1])
     ref = prefill_reference(q, cache, tables, chunks, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)

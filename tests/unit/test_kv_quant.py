@@ -17,27 +17,44 @@ BITS = [8, 4]
 
 @pytest.mark.parametrize("bits", BITS)
 def test_round_trip_is_within_half_a_step(bits: int) -> None:
-    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10 + torch.randn(50, 3, 1)
     x[0, 0] = 0.0  # an all-zero row has scale 0 and must come back as zeros
+    x[0, 1] = -3.25  # so must a constant row
     rows = kv_quant.quantize(x, bits)
     assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 64 * bits // 8 + 4)
     back = kv_quant.dequantize(rows, bits, torch.float32)
     bound = kv_quant.error_bound(x, rows, bits) * (1 + 1e-5) + 1e-6
     assert ((back - x).abs() <= bound).all()
-    full_step = x.abs().amax(-1, keepdim=True) / kv_quant.QMAX[bits]
+    if bits == 8:
+        full_step = x.abs().amax(-1, keepdim=True) / kv_quant.INT8_QMAX
+    else:
+        full_step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / kv_quant.INT4_LEVELS
     assert ((back - x).abs() <= full_step / 2 + 1e-5).float().mean() > 0.9
     assert back[0, 0].eq(0).all()
+    assert back[0, 1].eq(-3.25).all()
     assert (back - x).abs().max() > 0  # lossy: the bound is not vacuous
 
 
-def test_rows_hold_values_then_a_float32_scale() -> None:
+def test_rows_hold_values_then_their_scale() -> None:
     x = torch.tensor([[1.0, -2.0, 0.5, 7.0]])
     int8 = kv_quant.quantize(x, 8)
     assert int8[0, :4].view(torch.int8).tolist() == [18, -36, 9, 127]
     assert int8[0, 4:].view(torch.float32).item() == pytest.approx(7.0 / 127)
-    int4 = kv_quant.quantize(x, 4)  # q = 1, -2, 0 (0.5 rounds to even), 7; stored q + 8
-    assert int4[0, :2].tolist() == [(9 | (6 << 4)), (8 | (15 << 4))]
-    assert int4[0, 2:].clone().view(torch.float32).item() == pytest.approx(1.0)
+    # int4: 16 levels 0.5 apart from -2; a row on them is stored exactly
+    x = torch.tensor([[3.0, -2.0, 5.5, 0.5] + [i * 0.5 - 2 for i in range(16)]])
+    int4 = kv_quant.quantize(x, 4)  # q = 10, 0, 15, 5, then 0 .. 15
+    assert int4[0, :3].tolist() == [10 | (0 << 4), 15 | (5 << 4), 0 | (1 << 4)]
+    assert int4[0, -4:].clone().view(torch.float16).tolist() == [0.5, -2.0]
+    assert torch.equal(kv_quant.dequantize(int4, 4, torch.float32), x)
+
+
+def test_int4_rows_fit_their_own_range() -> None:
+    """Values all far from zero: the affine row spends its 16 levels on their range, with
+    less error than a symmetric 15-level row over [-max, max] would have."""
+    x = 10 + torch.rand(200, 64)
+    back = kv_quant.dequantize(kv_quant.quantize(x, 4), 4, torch.float32)
+    symmetric_step = x.abs().amax(-1, keepdim=True) / 7
+    assert (back - x).abs().max() < 0.05 * symmetric_step.min()
 
 
 @pytest.mark.parametrize("d", [64, 128, 192])

@@ -583,19 +583,22 @@ def test_quantized_weights_count_their_bytes_as_loaded(make_spec, make_config) -
 
 
 @pytest.mark.parametrize(
-    ("kv_dtype", "values", "scales"),
-    [("int8", "256 B", "128 B"), ("int4", "128 B", "128 B")],
+    ("kv_dtype", "values", "scales", "label"),
+    [
+        ("int8", "256 B", "128 B", "float32 scales"),
+        ("int4", "128 B", "128 B", "float16 scales and mins"),
+    ],
 )
 def test_plan_table_splits_a_quantized_block_into_values_and_scales(
-    make_spec, make_config, kv_dtype: str, values: str, scales: str
+    make_spec, make_config, kv_dtype: str, values: str, scales: str, label: str
 ) -> None:
     """2 layers x 4 tokens x 2 (K, V) x 2 kv heads = 32 rows of 8 dims per block:
-    int8 32 x 8 B, int4 32 x 4 B of values, and 32 x 4 B of float32 scales."""
+    int8 32 x 8 B, int4 32 x 4 B of values, and 32 x 4 B of scales (int4: scales and mins)."""
     cfg = make_config(kv_dtype=kv_dtype)
     plan = compute_plan(make_spec(), cfg, num_parameters=10, memory=DeviceMemory(2**20, "x"))
     rows = _rows(plan_table(plan))
     assert rows[f"    {kv_dtype} K/V values"] == values
-    assert rows["    float32 scales (per token, kv head)"] == scales
+    assert rows[f"    {label} (per token, kv head)"] == scales
     assert plan.kv_scale_bytes_per_block == 32 * 4
     assert plan.kv_bytes_per_block == 32 * (8 * (8 if kv_dtype == "int8" else 4) // 8 + 4)
 

@@ -13,14 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kvroom.models.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    KindBatch,
-    PrefillChunk,
-    PrefillGroup,
-)
+from kvroom.models.attention import AttentionMetadata, DecodeGroup, KindBatch
 from kvroom.models.kv_quant import KVCodec
+from kvroom.models.prefill_attention import PrefillChunk, PrefillGroup
 
 
 class SeqChunk(NamedTuple):

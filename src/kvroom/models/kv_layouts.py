@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from kvroom.models import kv_quant
-from kvroom.models.attention import KindBatch, PrefillChunk, PrefillGroup
+from kvroom.models.attention import KindBatch
 from kvroom.models.kv_quant import KVCodec
+from kvroom.models.prefill_attention import PrefillChunk, PrefillGroup
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:

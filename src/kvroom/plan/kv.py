@@ -4,9 +4,10 @@ The pool keeps one tensor per KV group (``ModelSpec.kv_groups``): layers of one 
 entry shape. A layer stores ``entries x ceil(kv_heads/tp) x tp x head_dim`` values per token
 (entries = 2 for K and V, 1 when K=V); a layer that shares an earlier layer's KV stores none.
 
-int8/int4 KV: each (token, kv head) row of K or V is its packed values then a float32 scale
-(``units.kv_row_bytes``: ``head_dim + 4``, ``head_dim / 2 + 4``), so a block's bytes count both
-and the scales move with the block wherever its bytes go (copy-on-write, resize, migration).
+int8/int4 KV: each (token, kv head) row of K or V is its packed values then 4 bytes of scale
+(int8: a float32 scale; int4: a float16 scale and min; ``units.kv_row_bytes``: ``head_dim + 4``,
+``head_dim / 2 + 4``), so a block's bytes count both and the scales move with the block
+wherever its bytes go (copy-on-write, resize, migration).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ from kvroom.plan.estimate import MemoryPlan
 from kvroom.plan.sharing import shared_prefix_row
 from kvroom.units import format_bytes
 
+SCALE_LABELS = {"int8": "float32 scales", "int4": "float16 scales and mins"}
+"""What closes each quantized row, by kv_dtype (``models/kv_quant.py``)."""
+
 
 def plan_table(plan: MemoryPlan) -> str:
     """The breakdown, one figure per line, as printed by ``kvroom plan``."""
@@ -79,7 +82,7 @@ def _with_scale_rows(rows: list[tuple[str, str]], plan: MemoryPlan) -> list[tupl
     values = plan.kv_bytes_per_block_per_rank - scales
     split = [
         (f"    {plan.kv_dtype} K/V values", format_bytes(values)),
-        ("    float32 scales (per token, kv head)", format_bytes(scales)),
+        (f"    {SCALE_LABELS[plan.kv_dtype]} (per token, kv head)", format_bytes(scales)),
     ]
     return rows[: at + 1] + split + rows[at + 1 :]
 

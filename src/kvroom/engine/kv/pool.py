@@ -34,7 +34,7 @@ steps. Sliding-window rings are one per seat (``num_sliding_slots`` = batch size
 block: a resize leaves them as they are.
 
 int8/int4 KV (``kv_codec``): the tensors are ``uint8`` and a row of ``hd`` values becomes
-``R = kv_codec.row_bytes(hd)`` bytes, values then their float32 scale (``models/kv_quant.py``),
+``R = kv_codec.row_bytes(hd)`` bytes, values then their scale (``models/kv_quant.py``),
 so copy-on-write, migration and resize move scales with their blocks by moving bytes.
 
 Bytes, exactly the planner's formula (per group: ``e`` entries, ``kvh`` kv heads, ``hd x b``

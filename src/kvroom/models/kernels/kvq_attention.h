@@ -2,13 +2,16 @@
 // vectors: every x86-64 level; AVX2 on v3). Pool rows (``models/kv_quant.py``), per position
 // and entry (K, V) and kv head, R = D * BITS / 8 + 4 bytes:
 //
-//   int8  [ q_0 .. q_{D-1} : int8                      | scale : float32 ]
-//   int4  [ byte i = (q_{2i} + 8) | (q_{2i+1} + 8) << 4 | scale : float32 ]      x = q * scale
+//   int8  [ q_0 .. q_{D-1} : int8, -127..127            | scale : float32 ]    x = q * scale
+//   int4  [ byte i = q_{2i} | q_{2i+1} << 4, q in 0..15 | scale : float16 | min : float16 ]
+//                                                                         x = q * scale + min
 //
 // Values are read 16 at a time (``load16``): int8 as two vectors of 8 in order; int4 as the 8
 // low nibbles (even elements) and the 8 high ones (odd elements), so queries and accumulators
 // are held in that order (``lane``) and put back in order at the end. A K row's scale
-// multiplies its dot product; a V row's scale folds into its softmax weight.
+// multiplies its dot product and its min the query's sum (q . (c s + m) = s (q . c) + m sum q);
+// a V row's scale folds into its softmax weight, its min into one offset per head added to
+// every element at the end (sum_p w_p (c_p s_p + m_p) = sum_p (w_p s_p) c_p + sum_p w_p m_p).
 //
 // Decode: one work item per (sequence, kv head), or per sequence when there are enough of them;
 // scores kept, exact softmax (``softmax_row``), V streamed per head in sweeps of 8 vectors.
@@ -73,10 +76,26 @@ inline vi widen8(const uint8_t* p) {
 
 inline int64_t kvq_row_bytes(int D, int bits) { return D * bits / 8 + 4; }
 
-inline float kvq_scale(const uint8_t* row, int D, int bits) {
-  float s;
-  std::memcpy(&s, row + D * bits / 8, 4);
-  return s;
+// a row's parameters after its values: x = q * scale + min (int8: min 0)
+struct RowParams {
+  float scale, min;
+};
+
+inline float half_at(const uint8_t* p) {
+  _Float16 h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+template <int BITS>
+inline RowParams kvq_params(const uint8_t* row, int D) {
+  if constexpr (BITS == 8) {
+    float s;
+    std::memcpy(&s, row + D, 4);
+    return {s, 0.f};
+  } else {
+    return {half_at(row + D / 2), half_at(row + D / 2 + 2)};
+  }
 }
 
 // 16 values of a row from byte p: int8 a = 0..7, b = 8..15; int4 a = even, b = odd elements
@@ -87,8 +106,8 @@ inline void load16(const uint8_t* p, vf& a, vf& b) {
     b = __builtin_convertvector(widen8(p + 8), vf);
   } else {
     const vi x = widen8(p);  // sign-extended bytes: the masks below take the nibbles back
-    a = __builtin_convertvector((x & 15) - 8, vf);
-    b = __builtin_convertvector(((x >> 4) & 15) - 8, vf);
+    a = __builtin_convertvector(x & 15, vf);
+    b = __builtin_convertvector((x >> 4) & 15, vf);
   }
 }
 
@@ -106,13 +125,18 @@ inline int lane(int i) {
 // a whole row, dequantized, in element order (prefill's tiles): dst[i * stride] = x_i
 template <int BITS>
 inline void dequant_row(const uint8_t* row, int D, float* dst, int stride) {
-  const float s = kvq_scale(row, D, BITS);
+  const RowParams pr = kvq_params<BITS>(row, D);
   for (int c = 0; c < D / 16; ++c) {
     vf a, b;
     load16<BITS>(row + c * 2 * BITS, a, b);
     float tmp[16];
-    vst(tmp, a * s);
-    vst(tmp + VW, b * s);
+    if constexpr (BITS == 8) {
+      vst(tmp, a * pr.scale);
+      vst(tmp + VW, b * pr.scale);
+    } else {
+      vst(tmp, a * pr.scale + pr.min);
+      vst(tmp + VW, b * pr.scale + pr.min);
+    }
     for (int k = 0; k < 16; ++k) dst[(c * 16 + k) * stride] = tmp[lane<BITS>(k)];
   }
 }
@@ -137,29 +161,35 @@ inline void load_kv(const KVInt4* c, int64_t slot, int KVH, int D, int g, float*
   load_kv_q(c, slot, KVH, D, g, k, ks, v);
 }
 
-// acc[jj][lanes of NC chunks from chunk c0] = sum_p w[jj][p] * scale_p * v_p for JB heads,
-// over one sequence's rows: each V row is widened once for the JB heads
+// acc[jj][lanes of NC chunks from chunk c0] = sum_p w[jj][p] * (scale_p * v_p + min_p) for JB
+// heads, over one sequence's rows: each V row is widened once for the JB heads
 template <int BITS, int JB, int NC>
 inline void weigh_values_q(const uint8_t* vbase, const int64_t* table, int64_t len,
                            int unit_len, int64_t row, const float* w, int64_t lp, int D, int c0,
                            float* acc) {
   vf a[JB][2 * NC] = {};
+  float off[JB] = {};  // int4: sum_p w_p * min_p, the same for every element
   for (int64_t p0 = 0; p0 < len; p0 += unit_len) {
     const uint8_t* unit = vbase + table[p0 / unit_len] * unit_len * row;
     const int64_t n = std::min<int64_t>(unit_len, len - p0);
     for (int64_t t = 0; t < n; ++t) {
       const uint8_t* v = unit + t * row;
-      const float s = kvq_scale(v, D, BITS);
+      const RowParams pr = kvq_params<BITS>(v, D);
       vf x[2 * NC];
       for (int c = 0; c < NC; ++c) load16<BITS>(v + (c0 + c) * 2 * BITS, x[2 * c], x[2 * c + 1]);
       for (int jj = 0; jj < JB; ++jj) {
-        const vf wj = vset(w[jj * lp + p0 + t] * s);
+        const float wt = w[jj * lp + p0 + t];
+        const vf wj = vset(wt * pr.scale);
         for (int c = 0; c < 2 * NC; ++c) a[jj][c] += wj * x[c];
+        if constexpr (BITS == 4) off[jj] += wt * pr.min;
       }
     }
   }
   for (int jj = 0; jj < JB; ++jj)
-    for (int c = 0; c < 2 * NC; ++c) vst(acc + jj * D + c0 * 16 + c * VW, a[jj][c]);
+    for (int c = 0; c < 2 * NC; ++c) {
+      if constexpr (BITS == 4) a[jj][c] += off[jj];
+      vst(acc + jj * D + c0 * 16 + c * VW, a[jj][c]);
+    }
 }
 
 // the jb (1..3) heads of one kv head: sweeps of 12 / jb accumulators over the head dim
@@ -186,12 +216,12 @@ inline void weigh_heads_q(int jb, const uint8_t* vbase, const int64_t* table, in
     weigh_sweeps_q<BITS, 1, 4>(vbase, table, len, unit_len, row, w, lp, D, acc);
 }
 
-// sc[m][p] = scale_p * (q_m . k_p) for the gn * G query rows of kv heads g0 .. g0 + gn - 1;
-// each K row is widened once into kf (lane order) for its G heads
+// sc[m][p] = scale_p * (q_m . k_p) + min_p * qsum_m for the gn * G query rows of kv heads
+// g0 .. g0 + gn - 1; each K row is widened once into kf (lane order) for its G heads
 template <int BITS>
-inline void scores_q(const float* qf, const uint8_t* kbase, const int64_t* table, int64_t len,
-                     int unit_len, int64_t row, int64_t r, int gn, int G, int D, float* sc,
-                     int64_t lp, float* kf) {
+inline void scores_q(const float* qf, const float* qsum, const uint8_t* kbase,
+                     const int64_t* table, int64_t len, int unit_len, int64_t row, int64_t r,
+                     int gn, int G, int D, float* sc, int64_t lp, float* kf) {
   for (int64_t p0 = 0; p0 < len; p0 += unit_len) {
     const uint8_t* unit = kbase + table[p0 / unit_len] * unit_len * row;
     const int64_t n = std::min<int64_t>(unit_len, len - p0);
@@ -204,12 +234,14 @@ inline void scores_q(const float* qf, const uint8_t* kbase, const int64_t* table
           vst(kf + c * 16, x);
           vst(kf + c * 16 + VW, y);
         }
-        const float s = kvq_scale(k, D, BITS);
+        const RowParams pr = kvq_params<BITS>(k, D);
         for (int j = 0; j < G; ++j) {
           const float* qm = qf + (g * G + j) * D;
           vf a = vld(qm) * vld(kf);
           for (int c = VW; c < D; c += VW) a += vld(qm + c) * vld(kf + c);
-          sc[(g * G + j) * lp + p0 + t] = hsum(a) * s;
+          float score = hsum(a) * pr.scale;
+          if constexpr (BITS == 4) score += pr.min * qsum[g * G + j];
+          sc[(g * G + j) * lp + p0 + t] = score;
         }
       }
   }
@@ -222,18 +254,24 @@ void decode_item_q(const Q* q, int64_t q_stride, const uint8_t* cache, const int
                    int unit_len, float scale, float softcap, std::vector<float>& buf) {
   const int G = H / KVH, M = gn * G;
   const int64_t lp = (len + VW - 1) / VW * VW;
-  buf.resize(static_cast<size_t>(M) * (2 * D + lp + 1) + D);
-  float* qf = buf.data();    // [M][D] queries in lane order, pre-scaled unless softcapped
-  float* acc = qf + M * D;   // [M][D] in lane order
-  float* sc = acc + M * D;   // [M][lp]
-  float* inv = sc + M * lp;  // [M]
-  float* kf = inv + M;       // [D] one K row, widened
+  buf.resize(static_cast<size_t>(M) * (2 * D + lp + 2) + D);
+  float* qf = buf.data();     // [M][D] queries in lane order, pre-scaled unless softcapped
+  float* acc = qf + M * D;    // [M][D] in lane order
+  float* sc = acc + M * D;    // [M][lp]
+  float* inv = sc + M * lp;   // [M]
+  float* qsum = inv + M;      // [M] sum of each query row (int4: times each K row's min)
+  float* kf = qsum + M;       // [D] one K row, widened
   const float qs = softcap > 0.f ? 1.f : scale;
   const Q* qrow = q + b * q_stride + static_cast<int64_t>(g0) * G * D;
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < D; ++i) qf[m * D + lane<BITS>(i)] = load(qrow[m * D + i]) * qs;
+  for (int m = 0; m < M; ++m) {
+    qsum[m] = 0.f;
+    for (int i = 0; i < D; ++i) {
+      qf[m * D + lane<BITS>(i)] = load(qrow[m * D + i]) * qs;
+      qsum[m] += qf[m * D + lane<BITS>(i)];
+    }
+  }
   const int64_t r = kvq_row_bytes(D, BITS), row = 2 * KVH * r;
-  scores_q<BITS>(qf, cache + g0 * r, table, len, unit_len, row, r, gn, G, D, sc, lp, kf);
+  scores_q<BITS>(qf, qsum, cache + g0 * r, table, len, unit_len, row, r, gn, G, D, sc, lp, kf);
   for (int m = 0; m < M; ++m) inv[m] = softmax_row(sc + m * lp, len, lp, scale, softcap);
   for (int g = 0; g < gn; ++g) {
     const uint8_t* vbase = cache + (KVH + g0 + g) * r;
