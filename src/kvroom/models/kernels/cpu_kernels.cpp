@@ -305,7 +305,7 @@ int kvroom_quant_gemm(const float* x, int64_t x_stride, const uint8_t* q, const 
   return -1;
 }
 
-int kvroom_abi_version() { return 10; }
+int kvroom_abi_version() { return 11; }
 
 }  // extern "C"
 
