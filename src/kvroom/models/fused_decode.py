@@ -6,10 +6,11 @@ each, against a few milliseconds of GEMM for all 30 layers. ``FusedDecode`` runs
 kernels, in the same order, from C: same results, without the dispatches.
 
 It applies where every piece has its native kernel: plain ``DecoderLayer`` s (Llama, Mistral,
-Qwen2/3 without q/k norms or softcaps, SiLU), projections in native panels (quantized, or fp32 /
-bf16), a CPU decode kernel for the head dim, and a step of decode rows only over float
-full-attention pools. Anything else (prefill rows, sliding layers, int8/int4 pools, other
-models) runs the layers from Python. ``KVROOM_FUSED_DECODE=0`` turns it off.
+Qwen2/3 without q/k norms or softcaps, SiLU), projections in native panels (quantized, or
+float panels of the activations' dtype), a CPU decode kernel for the head dim, and a step of
+decode rows only over float full-attention pools. Anything else (prefill rows, sliding
+layers, int8/int4 pools, other models) runs the layers from Python. ``KVROOM_FUSED_DECODE=0``
+turns it off.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ PROJECTION_FIELDS = 8
 """kind, weight, scales, mins, bits, group, float16 scales, input scale (``decode_layers.h``)."""
 LAYER_FIELDS = 4 * PROJECTION_FIELDS + 2
 """qkv, o_proj, gate_up, down, then the qkv and o_proj biases."""
-QUANT, PANELS_SAME, PANELS_FP32 = 0, 1, 2
-"""Projection kinds: quantized panels; panels of the activations' dtype; fp32 panels under
-bf16 activations."""
+QUANT, PANELS = 0, 1
+"""Projection kinds: quantized panels; float panels of the activations' dtype."""
 MAX_ROWS = 256
 """Rows up to which a step runs fused (the Python MLP splits larger steps into passes)."""
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -191,13 +191,9 @@ def _projection_fields(
         return [QUANT, q, scales, mins, bits, group, int(half), _kept(w.input_scale, keep)]
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or tuple(w.shape) != (n // 32, k, 32):
         return None
-    if w.dtype == dtype:
-        kind = PANELS_SAME
-    elif w.dtype == torch.float32 and dtype == torch.bfloat16:
-        kind = PANELS_FP32
-    else:
+    if w.dtype != dtype:
         return None
-    return [kind, w.data_ptr(), 0, 0, 0, 0, 0, 0]
+    return [PANELS, w.data_ptr(), 0, 0, 0, 0, 0, 0]
 
 
 def _splits_glu(w: Any) -> bool:

@@ -89,11 +89,13 @@ def prepare_weight(w: Weight) -> Weight:
     oneDNN runs: oneDNN's prepacked layout, which streams far better than MKL's plain GEMM over
     a row-major matrix (measured on an AMD 2-core CPU for SmolLM2's 30 layers: 39 ms instead of
     87 ms per step at 32 rows).
-    bf16 weights become bf16 panels on AVX-512 CPUs without AMX (widened to fp32 in registers
-    as they stream; a SmolLM2 decode step at 32 rows took 0.6x its time with oneDNN's bf16
-    GEMM); else they are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to
-    fp32 and packed, as fp32 panels where the CPU runs them (AVX2) or for oneDNN
-    (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the output to bf16).
+    bf16 weights become bf16 panels on AVX-512 and AVX2 CPUs without AMX (widened to fp32 in
+    registers as they stream; a SmolLM2 decode step at 32 rows took 0.6x its time with oneDNN's
+    bf16 GEMM on AVX-512, a single stream 0.55x the time of weights widened at load on AVX2);
+    else they are packed as bf16 where the CPU runs oneDNN's bf16 GEMM, else widened to fp32 and
+    packed (``kernels.cpu_kernels``; ``matmul`` then computes in fp32 and rounds the output to
+    bf16). A bf16 shape that is not whole panels, on a CPU with bf16 panels but not oneDNN's
+    bf16 GEMM, stays a plain matrix.
 
     Elsewhere (CUDA, other dtypes, no oneDNN): ``w`` as a row-major ``[in, out]`` matrix.
     """
@@ -106,9 +108,7 @@ def prepare_weight(w: Weight) -> Weight:
     if (panels := native.pack_panels(w)) is not None:
         return panels
     if w.dtype == torch.bfloat16 and widens_bf16_weights():
-        w = w.float()  # widened once: fp32 panels where this CPU runs them, else oneDNN's
-        if (panels := native.pack_panels(w)) is not None:
-            return panels
+        w = w.float()
     elif w.dtype == torch.bfloat16 and not cpu_kernels().bf16_packed:
         return w.contiguous()  # bf16 panels elsewhere, but not this shape: torch's own GEMM
     elif w.dtype not in (torch.float32, torch.bfloat16):

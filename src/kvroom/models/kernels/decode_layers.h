@@ -13,9 +13,7 @@
 
 namespace {
 
-enum ProjectionKind : int64_t { QUANT = 0, PANELS_SAME = 1, PANELS_FP32 = 2 };
-// PANELS_SAME: panels of the activations' dtype; PANELS_FP32: fp32 panels, bf16 activations
-// (the product rounded to bf16, as torch narrows it)
+enum ProjectionKind : int64_t { QUANT = 0, PANELS = 1 };  // PANELS: of the activations' dtype
 
 constexpr int PROJ_FIELDS = 8;  // kind, weight, scales, mins, bits, group, half scales, in scale
 constexpr int LAYER_FIELDS = 4 * PROJ_FIELDS + 2;  // qkv, o, gate_up, down; qkv and o biases
@@ -43,17 +41,9 @@ const float* gemm_input(const void* x, int dtype, int64_t M, int K, const float*
   return xf;
 }
 
-// y (bf16, [M, N]) = y32 rounded, or y + rounded(y32) rounded again with accumulate
-void narrow_into(const float* y32, uint16_t* y, int64_t n, bool accumulate) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = rounded<uint16_t>(y32[i]);
-    store(y + i, accumulate ? load(y[i]) + v : v);
-  }
-}
-
 // y = x @ W (+ bias) for one projection; accumulate: y += it; glu: y = silu(x Wg) * (x Wu)
 int project(const int64_t* P, const void* x, const float* bias, void* y, int64_t M, int K,
-            int64_t N, bool accumulate, bool glu, const StepShape& s, float* xf, float* y32) {
+            int64_t N, bool accumulate, bool glu, const StepShape& s, float* xf) {
   const float* in = gemm_input(x, s.dtype, M, K, ptr<const float>(P[7]), xf);
   switch (P[0]) {
     case QUANT:
@@ -61,7 +51,7 @@ int project(const int64_t* P, const void* x, const float* bias, void* y, int64_t
                                ptr<const void>(P[3]), static_cast<int>(P[4]),
                                static_cast<int>(P[5]), static_cast<int>(P[6]), bias, y, s.dtype,
                                N, M, K, N, accumulate, glu);
-    case PANELS_SAME:
+    case PANELS:
       if (s.dtype == 0)
         return glu ? kvroom_panel_glu(in, K, ptr<const float>(P[1]), static_cast<float*>(y), M,
                                       K, N)
@@ -71,13 +61,6 @@ int project(const int64_t* P, const void* x, const float* bias, void* y, int64_t
                                          static_cast<uint16_t*>(y), M, K, N)
                  : kvroom_panel_gemm_bf16(in, K, ptr<const uint16_t>(P[1]), bias,
                                           static_cast<uint16_t*>(y), N, M, K, N, accumulate);
-    case PANELS_FP32: {
-      const int rc = glu ? kvroom_panel_glu(in, K, ptr<const float>(P[1]), y32, M, K, N)
-                         : kvroom_panel_gemm(in, K, ptr<const float>(P[1]), bias, y32, N, M,
-                                             K, N, 0);
-      if (rc == 0) narrow_into(y32, static_cast<uint16_t*>(y), M * N, accumulate);
-      return rc;
-    }
     default:
       return -1;
   }
@@ -133,11 +116,10 @@ int layer_step(const int64_t* L, void* cache, void* h_, const float* cis, const 
   T* x = reinterpret_cast<T*>(xf + B * widest);
   T* qkv = reinterpret_cast<T*>(xf + 2 * B * widest);
   T* attn = reinterpret_cast<T*>(xf + 3 * B * widest);
-  float* y32 = xf + 4 * B * widest;
   const float eps = s.eps;
   int rc = kvroom_add_rms_norm(h, nullptr, x, nullptr, s.dtype, B, s.hidden, eps, s.serial_rows);
   rc |= project(L, x, ptr<const float>(L[4 * PROJ_FIELDS]), qkv, B, s.hidden, qkv_n, false,
-                false, s, xf, y32);
+                false, s, xf);
   if (rc != 0) return rc;
   rope_rows(qkv, qkv_n, s.B, s.H + s.KVH, s.D, cis);
   const int64_t entry = 2 * static_cast<int64_t>(s.KVH) * s.D;
@@ -150,14 +132,12 @@ int layer_step(const int64_t* L, void* cache, void* h_, const float* cis, const 
                                s.serial_items);
   T* o = qkv;  // q, k, v are read: o_proj's output takes their place
   rc |= project(L + PROJ_FIELDS, attn, ptr<const float>(L[4 * PROJ_FIELDS + 1]), o, B,
-                static_cast<int>(q_n), s.hidden, false, false, s, xf, y32);
+                static_cast<int>(q_n), s.hidden, false, false, s, xf);
   rc |= kvroom_add_rms_norm(h, o, x, nullptr, s.dtype, B, s.hidden, eps, s.serial_rows);
   if (rc != 0) return rc;
   T* g = attn;  // free again: the GLU's [B, inter] goes there
-  rc = project(L + 2 * PROJ_FIELDS, x, nullptr, g, B, s.hidden, s.inter, false, true, s, xf,
-               y32);
-  rc |= project(L + 3 * PROJ_FIELDS, g, nullptr, h, B, s.inter, s.hidden, true, false, s, xf,
-                y32);
+  rc = project(L + 2 * PROJ_FIELDS, x, nullptr, g, B, s.hidden, s.inter, false, true, s, xf);
+  rc |= project(L + 3 * PROJ_FIELDS, g, nullptr, h, B, s.inter, s.hidden, true, false, s, xf);
   return rc;
 }
 
@@ -196,7 +176,7 @@ int kvroom_decode_layers(const int64_t* layers, int n_layers, const int64_t* cac
 int64_t kvroom_decode_layers_work(int B, int hidden, int H, int KVH, int D, int inter) {
   const int64_t qkv_n = static_cast<int64_t>(H + 2 * KVH) * D;
   const int64_t widest = std::max<int64_t>(std::max<int64_t>(qkv_n, int64_t{inter}), hidden);
-  return 5 * B * widest;
+  return 4 * B * widest;
 }
 
 }  // extern "C"
