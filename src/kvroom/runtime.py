@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from kvroom import heap
 from kvroom.artifact.layout import HF_CONFIG, ArtifactInfo
 from kvroom.config import validate_device_name
 from kvroom.engine.engine import LLMEngine
+from kvroom.engine.key_shift import calibrate_key_shift
 from kvroom.engine.kv.block_manager import BlockManager
 from kvroom.engine.kv.heap_guard import HeapGuard
 from kvroom.engine.kv.pool import KVCachePool
@@ -154,6 +156,7 @@ def assemble_runtime(
     runner = ModelRunner(
         model, pool, spec, block_size=cfg.kvcache_block_size, device=device, grammars=grammars
     )
+    _calibrate_key_shift(runner, min(cfg.max_num_batched_tokens, cfg.max_seq_len))
     blocks = BlockManager(
         plan.num_blocks,
         cfg.kvcache_block_size,
@@ -177,6 +180,14 @@ def assemble_runtime(
     )
     logger.info(plan.summary_line())
     return Runtime(info, plan, spec, pool, runner, engine, tokenizer)
+
+
+def _calibrate_key_shift(runner: ModelRunner, max_tokens: int) -> None:
+    """An int4 pool's key shift (``engine/key_shift.py``), measured before anything is served."""
+    start = time.perf_counter()
+    if calibrate_key_shift(runner, max_tokens) is not None:
+        took = time.perf_counter() - start
+        logger.info("int4 KV: key shift measured in %.2f s (one calibration forward)", took)
 
 
 def prefix_caching_for(requested: bool, num_sliding_slots: int) -> bool:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kvroom import LLM, SamplingParams
+from kvroom.engine import key_shift
+from kvroom.engine.sched.output import ScheduledSeq, SchedulerOutput
 from tiny_models import (
     compile_tiny_artifact,
     write_tiny_gemma3,
@@ -61,6 +63,27 @@ def test_int8_logits_stay_near_float32_and_rotation_is_off_on_request(
     for llm in (LLM(_artifact(llama64, tmp_path, "int8")), plain):
         diff = (_logprobs(llm, ids) - ref).abs().max()
         assert 0 < diff < 0.05
+
+
+def test_int4_measures_its_key_shift_at_start_up(llama64: Path, tmp_path: Path) -> None:
+    """The int4 runtime's key shift is the mean of the calibration prompt's keys past its
+    first positions: layer 0's (whose keys do not depend on the pool) equals the mean key a
+    float32 pool holds after the same prompt, up to int4 rounding; int8 keeps no shift."""
+    llm = LLM(_artifact(llama64, tmp_path, "int4"))
+    shifts = [layer.key_shift for layer in llm.runtime.runner.model.layers]
+    assert all(s is not None and s.shape == (1, 64) for s in shifts)
+    ref = LLM(_artifact(llama64, tmp_path, "float32"))
+    n = 64  # min(CALIBRATION_TOKENS, max_num_batched_tokens, max_seq_len 64)
+    gen = torch.Generator().manual_seed(key_shift.CALIBRATION_SEED)
+    ids = torch.randint(0, ref.runtime.spec.vocab_size, (n,), generator=gen).tolist()
+    table = tuple(range(n // 4))
+    seq = ScheduledSeq(0, tuple(ids), 0, table, None, False, SamplingParams())
+    ref.runtime.runner.compute_logits(SchedulerOutput((seq,)))
+    keys = ref.runtime.pool.layers[0].flatten(0, 1)[key_shift.CALIBRATION_SKIP : n, 0]
+    want = keys.mean(0)
+    assert (shifts[0] - want).norm() < 0.2 * want.norm()  # vs layer 1 or the values: 1.1-1.5x
+    int8 = LLM(_artifact(llama64, tmp_path, "int8"))
+    assert all(layer.key_shift is None for layer in int8.runtime.runner.model.layers)
 
 
 def _logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:

@@ -144,3 +144,35 @@ def test_attention_over_a_quantized_pool_is_attention_over_its_dequantized_kv(
     assert kv_quant.dequantize(pool_q[3, 0], bits, torch.float32).abs().sum() > 0
     native = path == "native" and cpu_kernels().native
     assert set(ran) == ({"decode_attention_q", "prefill_attention_q"} if native else set())
+
+
+def test_a_key_shift_leaves_attention_alone_and_rounds_keys_finer() -> None:
+    """Keys with a large common part (as RoPE'd keys have): stored less that part, an int4
+    pool attends as a float pool does over the original keys, far closer than without."""
+    codec = KVCodec(4, True)
+    chunks = [SeqChunk(0, 12, [3, 7, 1], None)]
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(12, HEADS, D, generator=gen)
+    kv = torch.randn(12, 2, KVH, D, generator=gen)
+    common = torch.randn(KVH, D, generator=gen) * 8
+    kv[:, 0] += common
+    exact = paged_attention(q, kv, torch.zeros(16, BLOCK, 2, KVH, D), _step(chunks, None), 0.125)
+    errors = []
+    for shift in (None, common):
+        pool = torch.zeros(16, BLOCK, 2, KVH, codec.row_bytes(D), dtype=torch.uint8)
+        got = paged_attention(q, kv, pool, _step(chunks, codec), 0.125, key_shift=shift)
+        errors.append((got - exact).abs().max().item())
+    assert errors[1] < 0.25 * errors[0]
+    rows = pool[3, :, 0]  # block 3 holds positions 0..3: their keys, shifted, then rotated
+    want = (kv[:4, 0] - common) @ kv_quant.hadamard(D)
+    bound = kv_quant.error_bound(want, rows, 4) * (1 + 1e-5) + 1e-5
+    assert ((kv_quant.dequantize(rows, 4, torch.float32) - want).abs() <= bound).all()
+
+
+def test_shift_keys_moves_keys_only_and_copies() -> None:
+    kv = torch.randn(5, 2, KVH, D)
+    shift = torch.randn(KVH, D)
+    moved = kv_quant.shift_keys(kv, shift)
+    assert torch.equal(moved[:, 0], kv[:, 0] - shift) and torch.equal(moved[:, 1], kv[:, 1])
+    assert moved.data_ptr() != kv.data_ptr() and kv_quant.shift_keys(kv, None) is kv
+    assert KVCodec(4, False).shifts_keys and not KVCodec(8, True).shifts_keys

@@ -33,8 +33,6 @@ lives in ``prefill_attention.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +48,7 @@ from kvroom.models.prefill_attention import (
     prefill_full,
     prefill_sliding,
 )
+from kvroom.threads import one_thread
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,7 @@ def paged_attention(
     batch: KindBatch,
     scale: float,
     softcap: float | None = None,
+    key_shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in ``cache`` and attend; returns ``[T, heads * head_dim]``.
 
@@ -114,8 +114,13 @@ def paged_attention(
         batch: the step's metadata for this layer's kind.
         scale: score scale (``head_dim ** -0.5``, or gemma's ``query_pre_attn_scalar ** -0.5``).
         softcap: gemma2-style attention logit soft-capping, None when off.
+        key_shift: ``[kv_heads, head_dim]`` subtracted from every key before it is stored or
+            attended (an int4 pool's "key shift", ``kv_quant``; not with ``softcap``).
     """
     codec = batch.kv_codec
+    if key_shift is not None:
+        assert codec is not None and softcap is None, "a key shift needs a quantized pool"
+        kv = kv_quant.shift_keys(kv, key_shift)
     h = None if codec is None else codec.rotation(q.shape[-1], q.device)
     q, kv = kv_quant.rotate(q, h), kv_quant.rotate(kv, h)
     flat = cache.view(-1, *cache.shape[2:])
@@ -190,7 +195,7 @@ def _decode(
     kvh = keys.shape[3]
     q = q.view(b, kvh, h // kvh, d)
     if q.device.type == "cpu" and b * kvh <= _SERIAL_MAX_HEADS:
-        with _one_thread():
+        with one_thread():  # ~40 us of work: a fork/join costs as much
             out = attend(q, keys, g.mask, scale, softcap)
     else:
         out = attend(q, keys, g.mask, scale, softcap)
@@ -199,22 +204,3 @@ def _decode(
 
 _SERIAL_MAX_HEADS = 8
 """Decode attention over at most this many (sequence, kv head) pairs runs on one CPU thread."""
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run a tiny CPU kernel without an OpenMP fork/join.
-
-    Single-stream decode attention is ~40 us of work split over 3 heads; the fork/join costs
-    about as much as it saves, and when the second core is busy with another process the join
-    waits for a whole scheduler slice (measured: 8 ms instead of 50 us per call).
-    """
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

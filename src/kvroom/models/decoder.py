@@ -103,6 +103,9 @@ class DecoderLayer(nn.Module):
         self.eps = torch.empty((), device="meta")
         self.eps_value = 0.0
         self._qk_norm_weight: torch.Tensor | None = None
+        self.key_shift: torch.Tensor | None = None
+        """``[kv_heads, D]`` subtracted from every key an int4 pool stores (``kv_quant``, "Key
+        shift"); set once by ``DecoderModel.set_key_shift``, None until then."""
 
     def post_load(self, eps: torch.Tensor) -> None:
         """Share the model's eps tensor; derive ``[heads + kv_heads, D]`` q/k norm weights so
@@ -142,7 +145,8 @@ class DecoderLayer(nn.Module):
             qk.copy_(rms_norm(qk, self.eps, self._qk_norm_weight))
         apply_rope_(qk, cis)
         kv = qkv[:, self.n_q :].view(t, 2, c.num_kv_heads, c.head_dim)
-        return paged_attention(qk[:, : c.num_heads], kv, cache, batch, c.scale, c.attn_softcap)
+        q = qk[:, : c.num_heads]
+        return paged_attention(q, kv, cache, batch, c.scale, c.attn_softcap, self.key_shift)
 
 
 class DecoderModel(nn.Module):
@@ -249,6 +253,22 @@ class DecoderModel(nn.Module):
             layer.post_load(self.eps)
         plain = all(type(layer) is DecoderLayer for layer in self.layers)
         self._fused = FusedDecode.of(self.layers, self.dtype) if plain else None
+
+    def key_shift_layers(self) -> list[int]:
+        """Layers that can take a key shift: ``DecoderLayer`` attention without a soft-cap (a
+        soft-cap is not invariant to the shift; other layer classes do not take one)."""
+        return [
+            i
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer, DecoderLayer) and layer.cfg.attn_softcap is None
+        ]
+
+    def set_key_shift(self, shift: torch.Tensor) -> None:
+        """Give each of ``key_shift_layers`` its ``shift[layer]`` (``[layers, kv_heads, D]``)."""
+        for i in self.key_shift_layers():
+            layer = self.layers[i]
+            assert isinstance(layer, DecoderLayer)
+            layer.key_shift = shift[i].to(self.device)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` rows of the embedding (columns of the tied head), a fresh tensor."""

@@ -313,8 +313,9 @@ int kvroom_abi_version() { return 11; }
 extern "C" {
 
 // Decode attention over a pool of int8 (kv_bits 8) or int4 (4) rows, each followed by its
-// parameters (int8: a float32 scale; int4: a float16 scale and min); q and out float32 (q_dtype 0) or bfloat16 (1). Returns 0, or -1 where not
-// built (head dim not a multiple of 16, H not a multiple of KVH, other dtypes).
+// parameters (int8: a float32 scale; int4: a float16 scale and min); q and out float32
+// (q_dtype 0) or bfloat16 (1). Returns 0, or -1 where not built (head dim not a multiple of
+// 16, H not a multiple of KVH, other dtypes).
 int kvroom_decode_attention_q(const void* q, int64_t q_stride, int q_dtype, const void* cache,
                               int kv_bits, const int64_t* tables, int64_t t_stride,
                               const int64_t* lens, void* out, int B, int H, int KVH, int D,
