@@ -94,19 +94,25 @@ def _logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("family", "kv_dtype"), [("gemma3", "int8"), ("gemma4", "int4")], ids=["gemma3", "gemma4"]
+    ("family", "kv_dtype"),
+    [("gemma3", "int8"), ("gemma3", "int4"), ("gemma4", "int4")],
+    ids=["gemma3", "gemma3-int4", "gemma4"],
 )
 def test_sliding_rings_and_k_eq_v_layers_run_quantized(
     tmp_path: Path, family: str, kv_dtype: str
 ) -> None:
-    """Gemma 3 with head dim 64 (its sliding rings rotated and quantized), Gemma 4's K=V and
-    KV-shared layers (V quantized unrotated): logits near a float32 pool's, repeats equal."""
+    """Gemma 3 with head dim 64 (its sliding rings rotated and quantized; int4: a key shift on
+    every layer, sliding ones measured from their ring), Gemma 4's K=V and KV-shared layers (V
+    quantized unrotated, no key shift): logits near a float32 pool's, repeats equal."""
     if family == "gemma3":
         src = write_tiny_gemma3(tmp_path / family, head_dim=64, max_position_embeddings=128)
     else:
         src = write_tiny_gemma4(tmp_path / family)
     llm = LLM(_artifact(src, tmp_path, kv_dtype))
     assert llm.runtime.pool.nbytes() == llm.runtime.plan.kv_bytes
+    shifts = [getattr(layer, "key_shift", None) for layer in llm.runtime.runner.model.layers]
+    shifted = family == "gemma3" and kv_dtype == "int4"
+    assert all((s is not None and s.abs().sum() > 0) == shifted for s in shifts)
     ids = PROMPTS[0] + PROMPTS[1]  # longer than the window of 4 (gemma3) or 8 (gemma4)
     ref = _logprobs(LLM(_artifact(src, tmp_path, "float32")), ids)
     near = {"int8": 0.05, "int4": 0.25}[kv_dtype]  # log-probabilities here are about -5.7
