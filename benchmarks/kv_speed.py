@@ -7,10 +7,11 @@
    layer, cold as in a step), fp32 queries over bf16, int8 and int4 pools, variants alternating
    round by round; median per layer, by CPU time (one thread: steady on a shared machine).
 2. **End to end**: the artifacts ``bfloat16``, ``int8``, ``int8-norot`` and ``int4`` of
-   ``kv_quality.py`` (fp32 weights; only the KV differs), alternating round by round: 32
-   prompts of ``--prompt-tokens`` tokens are prefilled once (into the prefix cache), then the
-   same 32 run x 64 greedy new tokens in one batch, their full blocks from the cache, so the
-   time is decode over long contexts; median wall and process CPU seconds of that batch.
+   ``kv_quality.py`` (fp32 weights; only the KV differs), each measure in a fresh process
+   holding one artifact, the order alternating round by round: 32 prompts of
+   ``--prompt-tokens`` tokens x 64 greedy new tokens run once untimed (their blocks into the
+   prefix cache), then again, timed, their full blocks from the cache, so the time is mostly
+   decode over long contexts; median wall and process CPU seconds of that batch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,29 +64,39 @@ def kernel_times(keys: int, rounds: int) -> dict[str, float]:
 
 
 def end_to_end(workdir: Path, prompt_tokens: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Median seconds of one 32 x 64 batch per artifact over cached prompts (wall, CPU)."""
-    from kvroom import LLM, SamplingParams
-
-    blocks = SEQS * -(-(prompt_tokens + 64) // BLOCK) + 8
-    llms = {n: LLM(str(workdir / n), kvcache_num_blocks=blocks) for n in ARTIFACTS}
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    ids = next(iter(llms.values())).tokenizer.encode(text)
-    prompts = [ids[i * 50 : i * 50 + prompt_tokens] for i in range(SEQS)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    params_one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    """Median seconds of one 32 x 64 batch per artifact (wall, CPU): each measure in a fresh
+    process holding that artifact alone, the artifacts' order alternating round by round."""
     samples: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in ARTIFACTS}
-    for _ in range(rounds):
-        for name, llm in llms.items():
-            llm.generate(prompts, params_one)  # the prompts' blocks into the prefix cache
-            t0, c0 = time.perf_counter(), time.process_time()
-            llm.generate(prompts, params)
-            samples[name]["wall"].append(time.perf_counter() - t0)
-            samples[name]["cpu"].append(time.process_time() - c0)
-    out = {
+    for r in range(rounds):
+        for name in ARTIFACTS if r % 2 == 0 else ARTIFACTS[::-1]:
+            cmd = [sys.executable, __file__, "--workdir", str(workdir), "--one-batch", name]
+            cmd += ["--prompt-tokens", str(prompt_tokens)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            one = json.loads(out.strip().splitlines()[-1])
+            print(json.dumps({"round": r, "artifact": name} | one), flush=True)
+            samples[name]["wall"].append(one["batch_s"])
+            samples[name]["cpu"].append(one["cpu_s"])
+    return {
         name: {"batch_s": statistics.median(s["wall"]), "cpu_s": statistics.median(s["cpu"])}
         for name, s in samples.items()
     }
-    return out
+
+
+def one_batch(artifact: Path, prompt_tokens: int) -> dict[str, float]:
+    """One 32 x 64 greedy batch over prompts already in the prefix cache (their full blocks
+    read from the pool), after one untimed batch: seconds of wall and process CPU time."""
+    from kvroom import LLM, SamplingParams
+
+    blocks = SEQS * -(-(prompt_tokens + 64) // BLOCK) + 8
+    llm = LLM(str(artifact), kvcache_num_blocks=blocks)
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    ids = llm.tokenizer.encode(text)
+    prompts = [ids[i * 50 : i * 50 + prompt_tokens] for i in range(SEQS)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts, params)  # warm: the prompts' blocks into the prefix cache
+    t0, c0 = time.perf_counter(), time.process_time()
+    llm.generate(prompts, params)
+    return {"batch_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
 def main() -> None:
@@ -93,8 +106,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-end-to-end", action="store_true")
+    parser.add_argument("--one-batch", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.one_batch:
+        print(json.dumps(one_batch(args.workdir / args.one_batch, args.prompt_tokens)))
+        return
     if not cpu_kernels().native:
         raise SystemExit("the native kernels are not built here (no compiler?)")
     threads = torch.get_num_threads()

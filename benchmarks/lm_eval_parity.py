@@ -13,7 +13,10 @@ An artifact folder is a HF model folder, so ``hf`` loads it directly. lm-eval ne
 client and ``accelerate`` (``pip install "lm-eval[api]" accelerate``).
 
 python benchmarks/lm_eval_parity.py artifacts/smollm2-135m \
-    --lm-eval /path/to/lm-eval-env/bin/lm_eval [--tasks mc,gen]
+    --lm-eval /path/to/lm-eval-env/bin/lm_eval [--tasks mc,gen] [--skip-hf]
+
+``--skip-hf`` scores ``kvroom serve`` alone: the KV formats of ``kv_quality.py`` (the
+artifact's KV dtype changes what the server computes, not what ``hf`` would).
 """
 
 from __future__ import annotations
@@ -60,12 +63,20 @@ def main() -> int:
     p.add_argument("--lm-eval", default="lm_eval", help="the lm_eval script of lm-eval's venv")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--tasks", default="mc,gen", help="comma list of mc, gen (default both)")
+    p.add_argument(
+        "--skip-hf",
+        action="store_true",
+        help="kvroom serve only (artifacts hf cannot load: int8 KV...)",
+    )
     args = p.parse_args()
     tasks = [TASKS[t] for t in args.tasks.split(",")]
     work = Path(tempfile.mkdtemp(prefix="kvroom-lm-eval-"))
     folder = _task_dir(work)
     api = _run_api(args, folder, work, tasks)
     for task in tasks:
+        if args.skip_hf:
+            print(json.dumps({task.name: {f"kvroom serve ({task.api_model})": api[task]}}))
+            continue
         hf_args = f"pretrained={args.artifact},dtype=float32"
         hf = _run_lm_eval(args, folder, work / f"hf-{task.name}", task, "hf", hf_args)
         print(json.dumps({task.name: {f"kvroom serve ({task.api_model})": api[task], "hf": hf}}))
