@@ -36,11 +36,17 @@ def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("fused") / "llama", "llama", **HEAD_DIM_64)
 
 
-def run_both(art: Path, max_tokens: int = 6) -> tuple[Any, Any, int]:
+def run_both(art: Path, max_tokens: int = 6, key_shift: bool = False) -> tuple[Any, Any, int]:
     """Greedy outputs (token ids and their log-probabilities) with the fused step, then with
-    the layers run from Python; and how many steps ran fused."""
+    the layers run from Python; and how many steps ran fused. ``key_shift``: every layer
+    takes a random one (an int8/int4 pool)."""
     llm = LLM(str(art))
     model = llm.runtime.runner.model
+    if key_shift:
+        spec = llm.runtime.spec
+        gen = torch.Generator().manual_seed(3)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        model.set_key_shift(torch.randn(shape, generator=gen))
     fused = model._fused
     assert isinstance(fused, FusedDecode)
     calls = {"fused": 0}
@@ -77,16 +83,25 @@ def _outputs(results: list[Any]) -> list[tuple[list[int], list[float]]]:
         ("float32", "int4", None),
         ("float32", "int8", None),
         ("bfloat16", "int4", None),
+        ("float32", "none", "int8"),
+        ("float32", "none", "int4"),
+        ("float32", "none", "int4-norot"),
+        ("bfloat16", "int4", "int8"),
+        ("bfloat16", "none", "int4"),
     ],
 )
 def test_fused_step_equals_the_layers_run_from_python(
     tiny_source: Path, tmp_path: Path, dtype: str, quantization: str, kv_dtype: str | None
 ) -> None:
+    """Also over int8/int4 pools (rotated or not), with a key shift on every layer: the same
+    rows stored, the same tokens and log-probabilities."""
     config: dict[str, Any] = {"dtype": dtype, "quantization": quantization}
     if kv_dtype is not None:
-        config["kv_dtype"] = kv_dtype
+        config["kv_dtype"] = kv_dtype.removesuffix("-norot")
+        if kv_dtype.endswith("-norot"):
+            config["kv_rotation"] = "none"
     art = compile_tiny_artifact(tiny_source, tmp_path / "art", **config)
-    with_fused, without, fused_steps = run_both(art)
+    with_fused, without, fused_steps = run_both(art, key_shift=kv_dtype in ("int8", "int4"))
     assert fused_steps > 0
     assert with_fused == without
 
@@ -110,18 +125,6 @@ def test_models_it_does_not_fit_run_their_layers_from_python(
     assert LLM(str(art)).runtime.runner.model._fused is None
 
 
-def test_an_int8_pool_steps_aside(tiny_source: Path, tmp_path: Path) -> None:
-    art = compile_tiny_artifact(tiny_source, tmp_path / "art", kv_dtype="int8")
-    llm = LLM(str(art))
-    fused = llm.runtime.runner.model._fused
-    assert fused is not None
-    ran = []
-    run = fused.run
-    fused.run = lambda *a: ran.append(run(*a)) or ran[-1]  # type: ignore[method-assign]
-    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert ran and not any(ran)
-
-
 def test_turned_off_by_the_environment(
     tiny_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,4 +137,4 @@ def test_descriptors_hold_one_row_per_layer(tiny_source: Path, tmp_path: Path) -
     art = compile_tiny_artifact(tiny_source, tmp_path / "art", quantization="int4")
     fused = LLM(str(art)).runtime.runner.model._fused
     assert fused is not None
-    assert fused.descriptors.shape == (2, 34) and fused.descriptors.dtype == torch.int64
+    assert fused.descriptors.shape == (2, 35) and fused.descriptors.dtype == torch.int64

@@ -15,12 +15,20 @@ from kvroom.models.kv_quant import KVCodec
 BITS = [8, 4]
 
 
+QUANTIZERS = {"quantize": kv_quant.quantize, "torch": kv_quant.quantize_torch}
+"""The native kernel on the CPU where built, and its torch twin."""
+native_only = pytest.mark.skipif(
+    not cpu_kernels().native, reason="native kernels not built (KVROOM_NATIVE_KERNELS=0)"
+)
+
+
+@pytest.mark.parametrize("impl", list(QUANTIZERS))
 @pytest.mark.parametrize("bits", BITS)
-def test_round_trip_is_within_half_a_step(bits: int) -> None:
+def test_round_trip_is_within_half_a_step(bits: int, impl: str) -> None:
     x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10 + torch.randn(50, 3, 1)
     x[0, 0] = 0.0  # an all-zero row has scale 0 and must come back as zeros
     x[0, 1] = -3.25  # so must a constant row
-    rows = kv_quant.quantize(x, bits)
+    rows = QUANTIZERS[impl](x, bits)
     assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 64 * bits // 8 + 4)
     back = kv_quant.dequantize(rows, bits, torch.float32)
     bound = kv_quant.error_bound(x, rows, bits) * (1 + 1e-5) + 1e-6
@@ -176,3 +184,34 @@ def test_shift_keys_moves_keys_only_and_copies() -> None:
     assert torch.equal(moved[:, 0], kv[:, 0] - shift) and torch.equal(moved[:, 1], kv[:, 1])
     assert moved.data_ptr() != kv.data_ptr() and kv_quant.shift_keys(kv, None) is kv
     assert KVCodec(4, False).shifts_keys and not KVCodec(8, True).shifts_keys
+
+
+@native_only
+@pytest.mark.parametrize("bits", BITS)
+def test_native_quantize_stores_what_its_torch_twin_stores(bits: int) -> None:
+    """int8: the same bytes; int4: the same levels but where float32 sums round a row's
+    scale or min apart, and then within the format's bound all the same."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(400, 3, 128, generator=gen) * 4 + torch.randn(400, 3, 1, generator=gen)
+    native_rows = ops.kv_quantize(x, bits)
+    assert native_rows is not None
+    torch_rows = kv_quant.quantize_torch(x, bits)
+    same = (native_rows == torch_rows).all(-1).float().mean().item()
+    assert same == 1.0 if bits == 8 else same > 0.95
+    back = kv_quant.dequantize(native_rows, bits, torch.float32)
+    assert ((back - x).abs() <= kv_quant.error_bound(x, native_rows, bits) * (1 + 1e-5)).all()
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 192])
+def test_native_rotation_is_the_hadamard_matmul(dtype: torch.dtype, d: int) -> None:
+    """Over a view of a wider row (as q sits in the qkv projection) and in its dtype."""
+    qkv = torch.randn(7, 5 * d).to(dtype)
+    q = qkv[:, : 3 * d].view(7, 3, d)
+    got = kv_quant.rotate(q, kv_quant.hadamard(d))
+    want = (q.float() @ kv_quant.hadamard(d)).to(dtype)
+    assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert ops.hadamard_rows(q, kv_quant.rotation_block(d) or 0) is not None

@@ -269,6 +269,8 @@ class DecoderModel(nn.Module):
             layer = self.layers[i]
             assert isinstance(layer, DecoderLayer)
             layer.key_shift = shift[i].to(self.device)
+        if self._fused is not None:
+            self._fused.set_key_shifts([getattr(layer, "key_shift", None) for layer in self.layers])
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` rows of the embedding (columns of the tied head), a fresh tensor."""

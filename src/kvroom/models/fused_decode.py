@@ -8,9 +8,10 @@ kernels, in the same order, from C: same results, without the dispatches.
 It applies where every piece has its native kernel: plain ``DecoderLayer`` s (Llama, Mistral,
 Qwen2/3 without q/k norms or softcaps, SiLU), projections in native panels (quantized, or
 float panels of the activations' dtype), a CPU decode kernel for the head dim, and a step of
-decode rows only over float full-attention pools. Anything else (prefill rows, sliding
-layers, int8/int4 pools, other models) runs the layers from Python. ``KVROOM_FUSED_DECODE=0``
-turns it off.
+decode rows only over full-attention pools: float, or int8/int4 rows, whose key shift,
+rotation and quantization run the same native functions ``kv_quant`` calls
+(``kernels/kv_write.h``). Anything else (prefill rows, sliding layers, other models) runs the
+layers from Python. ``KVROOM_FUSED_DECODE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvroom.models import kv_quant
 from kvroom.models.attention import AttentionMetadata, KindBatch
 from kvroom.models.kernels import ops as native
 from kvroom.models.kernels.build import library
@@ -28,8 +30,9 @@ from kvroom.models.quant.panels import QuantPanels
 
 PROJECTION_FIELDS = 8
 """kind, weight, scales, mins, bits, group, float16 scales, input scale (``decode_layers.h``)."""
-LAYER_FIELDS = 4 * PROJECTION_FIELDS + 2
-"""qkv, o_proj, gate_up, down, then the qkv and o_proj biases."""
+LAYER_FIELDS = 4 * PROJECTION_FIELDS + 3
+"""qkv, o_proj, gate_up, down, then the qkv and o_proj biases, then the key shift."""
+KEY_SHIFT_FIELD = 4 * PROJECTION_FIELDS + 2
 QUANT, PANELS = 0, 1
 """Projection kinds: quantized panels; float panels of the activations' dtype."""
 MAX_ROWS = 256
@@ -53,6 +56,7 @@ class FusedDecode:
         self.eps = layers[0].eps_value
         self.descriptors = descriptors
         self._keep = keep  # fp32 biases and input scales the descriptors point into
+        self._key_shifts: list[torch.Tensor] = []
         self._work = torch.empty(0, dtype=torch.float32)
 
     @classmethod
@@ -70,6 +74,18 @@ class FusedDecode:
             return None
         return cls(layers, dtype, torch.tensor(rows, dtype=torch.int64), keep)
 
+    def set_key_shifts(self, shifts: Sequence[torch.Tensor | None]) -> None:
+        """Each layer's key shift (``[kv_heads, D]``, or None), subtracted from its keys as
+        ``kv_quant.shift_keys`` does: in the activations' dtype."""
+        self._key_shifts = []
+        for i, shift in enumerate(shifts):
+            pointer = 0
+            if shift is not None:
+                kept = shift.detach().to(self.dtype).float().contiguous()
+                self._key_shifts.append(kept)
+                pointer = kept.data_ptr()
+            self.descriptors[i, KEY_SHIFT_FIELD] = pointer
+
     def run(
         self,
         h: torch.Tensor,
@@ -80,37 +96,47 @@ class FusedDecode:
         """Run every layer over ``h`` (``[B, hidden]``, updated in place) and store this step's
         K/V; False, having done nothing, where the step is not a plain decode step."""
         batch = _decode_batch(meta, h.shape[0])
-        if batch is None or not self._pools_apply(h, kv_caches):
+        if batch is None or not self._pools_apply(h, kv_caches, batch):
             return False
         lib = library()
         assert lib is not None and batch.decode is not None and batch.decode.lens is not None
         c, b = self.cfg, h.shape[0]
         caches = torch.tensor([t.data_ptr() for t in kv_caches], dtype=torch.int64)
         rotations = torch.view_as_real(cis).contiguous()  # [B, 1, D/2, 2]: cos, sin
-        tables = batch.decode.kv_index
+        tables, codec = batch.decode.kv_index, batch.kv_codec
+        kv_dtype = _DTYPES[kv_caches[0].dtype] if codec is None else codec.bits
+        rotated = codec is not None and codec.rotation(c.head_dim, h.device) is not None
+        block = kv_quant.rotation_block(c.head_dim) if rotated else None
         rc = lib.kvroom_decode_layers(
-            self.descriptors.data_ptr(), len(kv_caches), caches.data_ptr(),
-            _DTYPES[kv_caches[0].dtype], h.data_ptr(), _DTYPES[h.dtype], rotations.data_ptr(),
-            tables.data_ptr(), tables.stride(0), batch.decode.lens.data_ptr(),
-            batch.write_index.data_ptr(), b, c.hidden, c.num_heads, c.num_kv_heads, c.head_dim,
-            c.intermediate, kv_caches[0].shape[1], c.scale, self.eps, self._work_for(b).data_ptr(),
-            native.SERIAL_MAX_ITEMS, native.serial_rows(c.hidden),
+            self.descriptors.data_ptr(), len(kv_caches), caches.data_ptr(), kv_dtype,
+            h.data_ptr(), _DTYPES[h.dtype], rotations.data_ptr(), tables.data_ptr(),
+            tables.stride(0), batch.decode.lens.data_ptr(), batch.write_index.data_ptr(), b,
+            c.hidden, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate,
+            kv_caches[0].shape[1], c.scale, self.eps, self._work_for(b).data_ptr(),
+            native.SERIAL_MAX_ITEMS, native.serial_rows(c.hidden), block or 0,
         )  # fmt: skip
         assert rc == 0, f"kvroom_decode_layers returned {rc}"
         return True
 
-    def _pools_apply(self, h: torch.Tensor, kv_caches: Sequence[torch.Tensor]) -> bool:
+    def _pools_apply(
+        self, h: torch.Tensor, kv_caches: Sequence[torch.Tensor], batch: KindBatch
+    ) -> bool:
         c = self.cfg
-        first = kv_caches[0]
-        kv = _DTYPES.get(first.dtype)
+        first, codec = kv_caches[0], batch.kv_codec
+        if codec is None:
+            kv = _DTYPES.get(first.dtype)
+            entry = c.head_dim
+            pools = kv is not None and not (h.dtype == torch.bfloat16 and kv == 0)
+        else:
+            entry = codec.row_bytes(c.head_dim)
+            pools = first.dtype == torch.uint8 and c.head_dim % 16 == 0
         return (
-            h.dtype == self.dtype
+            pools
+            and h.dtype == self.dtype
             and h.is_contiguous()
-            and kv is not None
-            and not (h.dtype == torch.bfloat16 and kv == 0)
             and len(kv_caches) == self.descriptors.shape[0]
             and all(t.dtype == first.dtype and t.is_contiguous() for t in kv_caches)
-            and tuple(first.shape[2:]) == (2, c.num_kv_heads, c.head_dim)
+            and tuple(first.shape[2:]) == (2, c.num_kv_heads, entry)
         )
 
     def _work_for(self, rows: int) -> torch.Tensor:
@@ -143,15 +169,14 @@ def _plain_layers(layers: Sequence[Any]) -> bool:
 
 
 def _decode_batch(meta: AttentionMetadata, rows: int) -> KindBatch | None:
-    """The step's one batch where it is decode rows only, over float full-attention pools,
-    the same for every layer; else None."""
+    """The step's one batch where it is decode rows only, over full-attention pools, the same
+    for every layer; else None."""
     batch = meta.layers[0]
     d = batch.decode
     if (
         rows > MAX_ROWS
         or batch.sliding
         or batch.prefill is not None
-        or batch.kv_codec is not None
         or d is None
         or d.lens is None
         or d.num_seqs != rows
@@ -178,7 +203,7 @@ def _layer_fields(layer: Any, dtype: torch.dtype, keep: list[torch.Tensor]) -> l
         fields += projection
     for bias in (layer.qkv_bias, layer.o_bias):
         fields.append(_kept(bias, keep))
-    return fields
+    return [*fields, 0]  # no key shift until ``set_key_shifts``
 
 
 def _projection_fields(

@@ -45,6 +45,7 @@ from functools import cache
 
 import torch
 
+from kvroom.models.kernels import ops as native
 from kvroom.threads import one_thread
 
 SCALE_BYTES = 4
@@ -120,9 +121,14 @@ def hadamard(head_dim: int, device: str = "cpu") -> torch.Tensor:
 
 def rotate(x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
     """``x @ h`` over the last dim in float32, back in ``x``'s dtype (a new tensor); ``x``
-    itself where ``h`` is None."""
+    itself where ``h`` is None. ``h`` is ``hadamard(D)``: on the CPU the native kernel applies
+    it as butterflies (``kernels/kv_write.h``, the fused decode step's own rotation)."""
     if h is None:
         return x
+    block = rotation_block(x.shape[-1])
+    native_out = native.hadamard_rows(x, block) if block is not None else None
+    if native_out is not None:
+        return native_out
     return (x.float() @ h).to(x.dtype)
 
 
@@ -137,7 +143,16 @@ kept, 0.00646 at four times the work."""
 
 
 def quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Rows ``[..., D]`` -> ``uint8`` ``[..., R]`` (the layout in the module docstring)."""
+    """Rows ``[..., D]`` -> ``uint8`` ``[..., R]`` (the layout in the module docstring): the
+    native kernel on the CPU (``kernels/kv_write.h``, which the fused decode step shares),
+    else ``quantize_torch``."""
+    rows = native.kv_quantize(x, bits)
+    return rows if rows is not None else quantize_torch(x, bits)
+
+
+def quantize_torch(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``quantize`` in torch ops (any device). int8 gives the native kernel's bytes; int4 may
+    differ in a row's last bits of scale or min, where float32 sums round apart."""
     xf = x.float()
     if bits == 8:
         scale = xf.abs().amax(-1, keepdim=True) / INT8_QMAX

@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger("kvroom.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ABI_VERSION = 11
+ABI_VERSION = 12
 LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 """x86-64 levels the sources build for: SSE4.2, AVX2 + FMA, AVX-512 (F, BW, DQ, VL)."""
 _FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -131,7 +131,7 @@ def _signature_layers(lib: ctypes.CDLL) -> None:
     """The whole-step decode entry point (``decode_layers.h``)."""
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.kvroom_decode_layers.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, i64, ptr, ptr]
-    lib.kvroom_decode_layers.argtypes += [i32] * 7 + [f32, f32, ptr, i32, i32]
+    lib.kvroom_decode_layers.argtypes += [i32] * 7 + [f32, f32, ptr, i32, i32, i32]
     lib.kvroom_decode_layers.restype = i32
     lib.kvroom_decode_layers_work.argtypes = [i32] * 6
     lib.kvroom_decode_layers_work.restype = i64
@@ -146,6 +146,10 @@ def _signature_q(lib: ctypes.CDLL) -> None:
     lib.kvroom_prefill_attention_q.argtypes = [ptr, i64, i32, ptr, i32, ptr, i64, ptr, ptr, ptr]
     lib.kvroom_prefill_attention_q.argtypes += [i32, i32, i32, i32, i32, f32]
     lib.kvroom_prefill_attention_q.restype = i32
+    lib.kvroom_hadamard_rows.argtypes = [ptr, i64, ptr, i64, i32, i64, i32, i32]
+    lib.kvroom_hadamard_rows.restype = i32
+    lib.kvroom_kv_quantize.argtypes = [ptr, i64, i32, i32, ptr]
+    lib.kvroom_kv_quantize.restype = i32
 
 
 def compile_library(source: Path, target: Path, march: str = "native") -> None:

@@ -10,6 +10,7 @@
 //   vector_panels.h     one panel pass in 8-float vectors (every target without AVX-512)
 //   avx512_*.h          AVX-512 decode and prefill attention and panel pass
 //   kvq_attention.h     decode and prefill attention over int8/int4 KV (every target)
+//   kv_write.h          the Hadamard rotation and quantization of int8/int4 KV rows
 //   panels.h            the panel GEMM's driver (every target)
 //   quant_panels.h      the weight-only quantized GEMM over int4 / int8 panels (every target)
 //   decode_layers.h     a decode step through every layer in one call (every target)
@@ -25,6 +26,7 @@
 #include "portable.h"
 #include "quant_panels.h"
 #include "kvq_attention.h"
+#include "kv_write.h"
 #if defined(__AVX512F__)
 #include "avx512_attention.h"
 #else
@@ -305,7 +307,7 @@ int kvroom_quant_gemm(const float* x, int64_t x_stride, const uint8_t* q, const 
   return -1;
 }
 
-int kvroom_abi_version() { return 11; }
+int kvroom_abi_version() { return 12; }
 
 }  // extern "C"
 
@@ -354,6 +356,34 @@ int kvroom_prefill_attention_q(const void* q, int64_t q_stride, int q_dtype, con
     run(static_cast<KVInt8*>(nullptr));
   else
     run(static_cast<KVInt4*>(nullptr));
+  return 0;
+}
+
+// x [rows, width] (row stride x_stride elements) rotated into out (out_stride), fp32 (dtype 0)
+// or bf16 (1), by blocks of n values (kv_write.h). Returns 0, or -1 where not built.
+int kvroom_hadamard_rows(const void* x, int64_t x_stride, void* out, int64_t out_stride,
+                         int dtype, int64_t rows, int width, int n) {
+  if (n < 2 || n > MAX_ROW || (n & (n - 1)) != 0 || width % n != 0 || dtype > 1) return -1;
+  const auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int64_t r = 0; r < rows; ++r) {
+      T* dst = static_cast<T*>(out) + r * out_stride;
+      std::memcpy(dst, static_cast<const T*>(x) + r * x_stride, sizeof(T) * width);
+      hadamard_row_as(dst, width, n);
+    }
+  };
+  if (dtype == 0)
+    run(static_cast<float*>(nullptr));
+  else
+    run(static_cast<uint16_t*>(nullptr));
+  return 0;
+}
+
+// x [rows, D] float32 (contiguous) as int8 (bits 8) or int4 (4) pool rows [rows, R] (kv_write.h)
+int kvroom_kv_quantize(const float* x, int64_t rows, int D, int bits, uint8_t* out) {
+  if ((bits != 8 && bits != 4) || D % 2 != 0 || D > MAX_ROW) return -1;
+  const int64_t R = D * bits / 8 + 4;
+  for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * D, D, bits, out + r * R);
   return 0;
 }
 

@@ -5,6 +5,8 @@
 //
 // Per layer:  x = rms(h); qkv = x Wqkv (+b); rope(q, k); pool[slot] = k, v;
 //             a = attention(q, pool); h += a Wo (+b); x = rms(h); h += down(silu(x Wg) * x Wu)
+// An int8 / int4 pool (kv_write.h): k less the layer's key shift, q, k, v rotated, k and v
+// quantized into the pool, attention read in place, its output rotated back.
 //
 // Weights come as a descriptor per layer (int64 fields, ``models/fused_decode.py``): per
 // projection its kind, pointers and quantization format. Included by cpu_kernels.cpp after its
@@ -16,10 +18,13 @@ namespace {
 enum ProjectionKind : int64_t { QUANT = 0, PANELS = 1 };  // PANELS: of the activations' dtype
 
 constexpr int PROJ_FIELDS = 8;  // kind, weight, scales, mins, bits, group, half scales, in scale
-constexpr int LAYER_FIELDS = 4 * PROJ_FIELDS + 2;  // qkv, o, gate_up, down; qkv and o biases
+// qkv, o, gate_up, down; the qkv and o biases; the key shift ([KVH, D] float32, or 0)
+constexpr int LAYER_FIELDS = 4 * PROJ_FIELDS + 3;
+constexpr int KEY_SHIFT_FIELD = 4 * PROJ_FIELDS + 2;
 
+// kv_dtype: 0 fp32, 1 bf16, 8 int8, 4 int4 pools; rot_block: the Hadamard block (0: none)
 struct StepShape {
-  int B, hidden, H, KVH, D, inter, unit_len, dtype, kv_dtype;
+  int B, hidden, H, KVH, D, inter, unit_len, dtype, kv_dtype, rot_block;
   float scale, eps;
   int serial_items, serial_rows;
 };
@@ -103,6 +108,42 @@ void store_kv(const T* kv, int64_t row_stride, KV* pool, const int64_t* write_in
   }
 }
 
+// store this step's K/V in a float pool and attend: attn [B, H * D]
+template <typename T>
+int attend_float(T* qkv, void* cache, const int64_t* tables, int64_t t_stride,
+                 const int64_t* lens, const int64_t* write_index, const StepShape& s, T* attn) {
+  const int64_t qkv_n = static_cast<int64_t>(s.H + 2 * s.KVH) * s.D;
+  const int64_t q_n = static_cast<int64_t>(s.H) * s.D;
+  const int64_t entry = 2 * static_cast<int64_t>(s.KVH) * s.D;
+  if (s.kv_dtype == 0)
+    store_kv(qkv + q_n, qkv_n, static_cast<float*>(cache), write_index, s.B, entry);
+  else
+    store_kv(qkv + q_n, qkv_n, static_cast<uint16_t*>(cache), write_index, s.B, entry);
+  return kvroom_decode_attention(qkv, qkv_n, s.dtype, cache, s.kv_dtype, tables, t_stride, lens,
+                                 attn, s.B, s.H, s.KVH, s.D, s.unit_len, s.scale, 0.0f,
+                                 s.serial_items);
+}
+
+// the same over an int8 / int4 pool: as ``paged_attention`` runs it (kv_write.h)
+template <typename T>
+int attend_quantized(const int64_t* L, T* qkv, void* cache, const int64_t* tables,
+                     int64_t t_stride, const int64_t* lens, const int64_t* write_index,
+                     const StepShape& s, T* attn) {
+  const int64_t qkv_n = static_cast<int64_t>(s.H + 2 * s.KVH) * s.D;
+  const int q_n = s.H * s.D;
+  store_kv_q(qkv + q_n, qkv_n, ptr<const float>(L[KEY_SHIFT_FIELD]), s.rot_block,
+             static_cast<uint8_t*>(cache), write_index, s.B, s.KVH, s.D, s.kv_dtype);
+  if (s.rot_block > 0)
+    for (int b = 0; b < s.B; ++b) hadamard_row_as(qkv + b * qkv_n, q_n, s.rot_block);
+  const int rc = kvroom_decode_attention_q(qkv, qkv_n, s.dtype, cache, s.kv_dtype, tables,
+                                           t_stride, lens, attn, s.B, s.H, s.KVH, s.D,
+                                           s.unit_len, s.scale, 0.0f, s.serial_items);
+  if (s.rot_block > 0)
+    for (int b = 0; b < s.B; ++b)
+      hadamard_row_as(attn + static_cast<int64_t>(b) * q_n, q_n, s.rot_block);
+  return rc;
+}
+
 template <typename T>
 int layer_step(const int64_t* L, void* cache, void* h_, const float* cis, const int64_t* tables,
                int64_t t_stride, const int64_t* lens, const int64_t* write_index,
@@ -122,14 +163,9 @@ int layer_step(const int64_t* L, void* cache, void* h_, const float* cis, const 
                 false, s, xf);
   if (rc != 0) return rc;
   rope_rows(qkv, qkv_n, s.B, s.H + s.KVH, s.D, cis);
-  const int64_t entry = 2 * static_cast<int64_t>(s.KVH) * s.D;
-  if (s.kv_dtype == 0)
-    store_kv(qkv + q_n, qkv_n, static_cast<float*>(cache), write_index, s.B, entry);
-  else
-    store_kv(qkv + q_n, qkv_n, static_cast<uint16_t*>(cache), write_index, s.B, entry);
-  rc = kvroom_decode_attention(qkv, qkv_n, s.dtype, cache, s.kv_dtype, tables, t_stride, lens,
-                               attn, s.B, s.H, s.KVH, s.D, s.unit_len, s.scale, 0.0f,
-                               s.serial_items);
+  rc = s.kv_dtype <= 1 ? attend_float(qkv, cache, tables, t_stride, lens, write_index, s, attn)
+                       : attend_quantized(L, qkv, cache, tables, t_stride, lens, write_index, s,
+                                          attn);
   T* o = qkv;  // q, k, v are read: o_proj's output takes their place
   rc |= project(L + PROJ_FIELDS, attn, ptr<const float>(L[4 * PROJ_FIELDS + 1]), o, B,
                 static_cast<int>(q_n), s.hidden, false, false, s, xf);
@@ -147,7 +183,8 @@ extern "C" {
 
 // One decode step (one row per sequence, B rows) through n_layers layers, h [B, hidden] (fp32
 // dtype 0 or bf16 1) updated in place. layers: n_layers x LAYER_FIELDS descriptors; caches: each
-// layer's pool [units, unit_len, 2, KVH, D] (kv_dtype 0 fp32, 1 bf16); cis [B, D/2, 2] (cos,
+// layer's pool [units, unit_len, 2, KVH, D] (kv_dtype 0 fp32, 1 bf16), or of uint8 rows
+// [.., R] (kv_dtype 8 int8, 4 int4; rot_block their Hadamard block, 0: none); cis [B, D/2, 2] (cos,
 // sin); tables/lens/write_index as the decode kernel and ``paged_attention`` take them; work:
 // decode_layers_work_floats(...) floats. Returns 0, or non-zero where a kernel does not apply
 // (then h is partly updated: the caller checks applicability first).
@@ -155,11 +192,12 @@ int kvroom_decode_layers(const int64_t* layers, int n_layers, const int64_t* cac
                          void* h, int dtype, const float* cis, const int64_t* tables,
                          int64_t t_stride, const int64_t* lens, const int64_t* write_index,
                          int B, int hidden, int H, int KVH, int D, int inter, int unit_len,
-                         float scale, float eps, float* work, int serial_items,
-                         int serial_rows) {
+                         float scale, float eps, float* work, int serial_items, int serial_rows,
+                         int rot_block) {
   if (dtype == 1 && kv_dtype == 0) return -1;
-  const StepShape s{B, hidden, H, KVH, D, inter, unit_len, dtype, kv_dtype, scale, eps,
-                    serial_items, serial_rows};
+  if (kv_dtype > 1 && (D > MAX_ROW || (rot_block > 0 && D % rot_block != 0))) return -1;
+  const StepShape s{B,     hidden,   H,         KVH,   D,   inter,        unit_len,
+                    dtype, kv_dtype, rot_block, scale, eps, serial_items, serial_rows};
   for (int l = 0; l < n_layers; ++l) {
     const int64_t* L = layers + static_cast<int64_t>(l) * LAYER_FIELDS;
     void* cache = ptr<void>(caches[l]);

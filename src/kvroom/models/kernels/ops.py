@@ -351,3 +351,37 @@ def _quant_kv_applies(q: torch.Tensor, cache: torch.Tensor, lib: ctypes.CDLL | N
         and cache.is_contiguous()
         and _native(lib)
     )
+
+
+def hadamard_rows(
+    x: torch.Tensor, block: int, lib: ctypes.CDLL | None = None
+) -> torch.Tensor | None:
+    """``x`` ``[..., D]`` times the block-diagonal normalised Walsh-Hadamard matrix (blocks of
+    ``block``) over its last dim, as a new contiguous tensor in ``x``'s dtype (``kv_write.h``);
+    None where the kernel does not apply (other devices or dtypes)."""
+    lib = library() if lib is None else lib
+    if lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() < 2:
+        return None
+    rows = x.flatten(1) if x.dim() > 2 else x  # a view where the inner dims are contiguous
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    n, width = rows.shape
+    rc = lib.kvroom_hadamard_rows(
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), width, _DTYPES[x.dtype], n, width, block
+    )
+    return out if rc == 0 else None
+
+
+def kv_quantize(x: torch.Tensor, bits: int, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """Rows ``[..., D]`` as int8 (``bits`` 8) or int4 (4) pool rows ``uint8 [..., R]``
+    (``kv_write.h``; ``kv_quant.quantize`` is its torch twin); None where the kernel does not
+    apply (other devices)."""
+    lib = library() if lib is None else lib
+    if lib is None or x.device.type != "cpu":
+        return None
+    d = x.shape[-1]
+    xf = x.detach().float().contiguous()
+    out = torch.empty(*x.shape[:-1], d * bits // 8 + 4, dtype=torch.uint8)
+    rc = lib.kvroom_kv_quantize(xf.data_ptr(), xf.numel() // max(d, 1), d, bits, out.data_ptr())
+    return out if rc == 0 else None
