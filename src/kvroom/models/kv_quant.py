@@ -147,7 +147,10 @@ def quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
     native kernel on the CPU (``kernels/kv_write.h``, which the fused decode step shares),
     else ``quantize_torch``."""
     rows = native.kv_quantize(x, bits)
-    return rows if rows is not None else quantize_torch(x, bits)
+    if rows is not None:
+        return rows
+    with _serial(x):
+        return quantize_torch(x, bits)
 
 
 def quantize_torch(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -244,10 +247,7 @@ def shift_keys(kv: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
 
 def encode(kv: torch.Tensor, pool_dtype: torch.dtype, codec: KVCodec | None) -> torch.Tensor:
     """Rows ``[..., D]`` as the pool stores them: quantized, or cast to ``pool_dtype``."""
-    if codec is None:
-        return kv.to(pool_dtype)
-    with _serial(kv):
-        return quantize(kv, codec.bits)
+    return kv.to(pool_dtype) if codec is None else quantize(kv, codec.bits)
 
 
 def decode(rows: torch.Tensor, dtype: torch.dtype, codec: KVCodec | None) -> torch.Tensor:
@@ -258,13 +258,12 @@ def decode(rows: torch.Tensor, dtype: torch.dtype, codec: KVCodec | None) -> tor
 def as_stored(kv: torch.Tensor, pool_dtype: torch.dtype, codec: KVCodec | None) -> torch.Tensor:
     """``kv`` rounded as the pool would round it, in ``kv``'s dtype."""
     if codec is not None:
-        with _serial(kv):
-            return dequantize(quantize(kv, codec.bits), codec.bits, kv.dtype)
+        return dequantize(quantize(kv, codec.bits), codec.bits, kv.dtype)
     return kv if pool_dtype == kv.dtype else kv.to(pool_dtype).to(kv.dtype)
 
 
 def _serial(t: torch.Tensor) -> AbstractContextManager[None]:
-    """CPU: one thread for the write path's few dozen small ops. A step's rows are small
+    """CPU: one thread for the torch write path's few dozen small ops. A step's rows are small
     (a 256-token chunk of the default model: 256 x 2 x 3 x 64 values), and on 2 cores beside
     other jobs torch's two-thread fork/join per op made quantizing them take 66 ms (int8) and
     273 ms (int4) instead of 0.26 and 1.6 ms on one thread."""

@@ -375,8 +375,8 @@ def hadamard_rows(
 
 def kv_quantize(x: torch.Tensor, bits: int, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """Rows ``[..., D]`` as int8 (``bits`` 8) or int4 (4) pool rows ``uint8 [..., R]``
-    (``kv_write.h``; ``kv_quant.quantize`` is its torch twin); None where the kernel does not
-    apply (other devices)."""
+    (``kv_write.h``; ``kv_quant.quantize_torch`` is its torch twin); None where the kernel does
+    not apply (other devices)."""
     lib = library() if lib is None else lib
     if lib is None or x.device.type != "cpu":
         return None
