@@ -24,13 +24,11 @@ Prints one JSON line per format: perplexity, its ratio to ``--reference`` (an ar
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from kv_quality import artifact, perplexity, text_windows
+from kv_quality import artifact, perplexity, text_windows, workdir_and_text_parser
 
 from kvroom import LLM, SamplingParams
 from kvroom.engine import key_shift
@@ -123,12 +121,7 @@ def rounded_attention(rounding: Rounding, shift: torch.Tensor | None, stats: lis
 
 
 def main() -> None:
-    root = Path(__file__).parents[1]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument(
-        "--text", type=Path, nargs="+", default=[root / "docs/ARCHITECTURE.md", root / "README.md"]
-    )
+    parser = workdir_and_text_parser(__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--key-shift-tokens", type=int, default=0, help="0: no key shift")
     parser.add_argument("--seed", type=int, default=key_shift.CALIBRATION_SEED)

@@ -158,13 +158,20 @@ def measure(llm: LLM, args: argparse.Namespace, text: str, ref: list[list[int]] 
     return row
 
 
-def main() -> None:
+def workdir_and_text_parser(description: str) -> argparse.ArgumentParser:
+    """``--workdir`` (the artifacts) and ``--text`` (the perplexity text), which the KV
+    quality scripts share."""
     root = Path(__file__).parents[1]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument(
         "--text", type=Path, nargs="+", default=[root / "docs/ARCHITECTURE.md", root / "README.md"]
     )
+    return parser
+
+
+def main() -> None:
+    parser = workdir_and_text_parser(__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=512, help="pool blocks at start-up")
