@@ -105,8 +105,7 @@ class FusedDecode:
         rotations = torch.view_as_real(cis).contiguous()  # [B, 1, D/2, 2]: cos, sin
         tables, codec = batch.decode.kv_index, batch.kv_codec
         kv_dtype = _DTYPES[kv_caches[0].dtype] if codec is None else codec.bits
-        rotated = codec is not None and codec.rotation(c.head_dim, h.device) is not None
-        block = kv_quant.rotation_block(c.head_dim) if rotated else None
+        block = kv_quant.rotation_block(c.head_dim) if codec is not None and codec.rotate else None
         rc = lib.kvroom_decode_layers(
             self.descriptors.data_ptr(), len(kv_caches), caches.data_ptr(), kv_dtype,
             h.data_ptr(), _DTYPES[h.dtype], rotations.data_ptr(), tables.data_ptr(),
